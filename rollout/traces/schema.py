@@ -1,0 +1,225 @@
+"""The trace row (schema version 1) and the feedback row: Arrow schemas and typed dataclasses.
+
+One `Trace` per served request (completed, failed or aborted), written once, never rewritten.
+Columns follow ARCHITECTURE.md's table, in its order, with these additions and placements:
+
+- `date` (string, "YYYY-MM-DD", the UTC date of `created_at`) follows `created_at`;
+- `sampling.logprobs_mode` is vLLM's `logprobs_mode` that produced `completion_logprobs`;
+- `finish_reason`, `status` ("ok" | "error" | "aborted") and `error` (the message when
+  status is "error", else null) follow `output`.
+
+Partition columns. Files live under `traces/date=YYYY-MM-DD/weight_version=N/`, and the two
+partition columns are also stored in every file with the same values. The copy in the file is
+what `datasets` reads (its Parquet loader ignores hive directories); Polars reads the file's
+copy and DuckDB the directory's, which agree. pyarrow needs the schema when it sees both:
+`ds.dataset(path, partitioning="hive", schema=TRACE_SCHEMA)` (what `read_traces` does), because
+its own inference would type `weight_version` int32 and refuse to merge it with the file's int64.
+
+Every field is nullable in Arrow; the dataclasses below check what must be present.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+FEEDBACK_SCHEMA_VERSION = 1
+
+# vLLM's `logprobs_mode` values; the trainer drops samples whose mode differs from its own.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+STATUSES = ("ok", "error", "aborted")
+
+STACK_TYPE = pa.struct([
+    ("engine", pa.string()),
+    ("engine_version", pa.string()),
+    ("quant_format", pa.string()),
+    ("kv_cache_dtype", pa.string()),
+    ("device", pa.string()),
+    ("device_name", pa.string()),
+    ("tensor_parallel_size", pa.int32()),
+    ("pipeline_parallel_size", pa.int32()),
+    ("torch_version", pa.string()),
+    ("flywheel_version", pa.string()),
+])
+
+SAMPLING_TYPE = pa.struct([
+    ("temperature", pa.float64()),
+    ("top_p", pa.float64()),
+    ("top_k", pa.int32()),
+    ("max_tokens", pa.int32()),
+    ("seed", pa.int64()),
+    ("logprobs_mode", pa.string()),
+])
+
+TRACE_SCHEMA = pa.schema([
+    ("trace_id", pa.string()),
+    ("request_id", pa.string()),
+    ("episode_id", pa.string()),
+    ("turn", pa.int32()),
+    ("created_at", pa.timestamp("us", tz="UTC")),
+    ("date", pa.string()),
+    ("model", pa.string()),
+    ("weight_version", pa.int64()),
+    ("checkpoint_sha256", pa.string()),
+    ("speculator_version", pa.string()),
+    ("stack", STACK_TYPE),
+    ("messages", pa.string()),
+    ("tools", pa.string()),
+    ("sampling", SAMPLING_TYPE),
+    ("prompt_token_ids", pa.list_(pa.int32())),
+    ("completion_token_ids", pa.list_(pa.int32())),
+    ("completion_logprobs", pa.list_(pa.float32())),
+    ("output", pa.string()),
+    ("finish_reason", pa.string()),
+    ("status", pa.string()),
+    ("error", pa.string()),
+    ("ttft_ms", pa.float64()),
+    ("e2e_ms", pa.float64()),
+    ("num_cached_prompt_tokens", pa.int32()),
+    ("spec_draft_tokens", pa.int32()),
+    ("spec_accepted_tokens", pa.int32()),
+    ("schema_version", pa.int16()),
+])
+TRACE_PARTITION_COLS = ("date", "weight_version")
+
+FEEDBACK_SCHEMA = pa.schema([
+    ("feedback_id", pa.string()),
+    ("trace_id", pa.string()),
+    ("episode_id", pa.string()),
+    ("reward", pa.float64()),
+    ("rating", pa.int32()),
+    ("comment", pa.string()),
+    ("source", pa.string()),
+    ("created_at", pa.timestamp("us", tz="UTC")),
+    ("date", pa.string()),
+    ("schema_version", pa.int16()),
+])
+FEEDBACK_PARTITION_COLS = ("date",)
+
+
+def utc_now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def utc_date(ts: datetime) -> str:
+    """The partition `date` of a timestamp: its UTC calendar date, "YYYY-MM-DD"."""
+    if ts.tzinfo is None or ts.utcoffset() is None:
+        raise ValueError(f"timestamps must be timezone-aware, got naive {ts!r}")
+    return ts.astimezone(timezone.utc).date().isoformat()
+
+
+@dataclass(frozen=True, kw_only=True)
+class StackFingerprint:
+    """The serving stack that produced a trace; constant for the life of an engine."""
+
+    engine: str  # "vllm"
+    engine_version: str
+    quant_format: str  # e.g. "compressed-tensors-w4a16", "none"
+    kv_cache_dtype: str  # e.g. "auto", "fp8"
+    device: str  # "cpu" | "cuda" | ...
+    device_name: str  # e.g. "NVIDIA H200", the CPU model
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    torch_version: str
+    flywheel_version: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingInfo:
+    """The sampling parameters as the engine applied them, and how the logprobs were computed."""
+
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = -1  # vLLM's "disabled"
+    max_tokens: int | None = None
+    seed: int | None = None
+    logprobs_mode: str = "raw_logprobs"
+
+    def __post_init__(self):
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+
+
+@dataclass(kw_only=True)
+class Trace:
+    """One served request. Token lists are referenced, not copied: don't mutate them after
+    `append`. `messages`, `tools` and `output` are JSON strings in OpenAI format."""
+
+    request_id: str
+    model: str
+    weight_version: int
+    checkpoint_sha256: str
+    stack: StackFingerprint
+    sampling: SamplingInfo
+    messages: str
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    completion_logprobs: list[float]  # one per completion token; may be empty unless status "ok"
+    output: str  # the assistant message: {"content": ..., "tool_calls": [...]}
+    finish_reason: str | None  # "stop" | "length" | "tool_calls" | "abort" | None
+    e2e_ms: float
+    status: Literal["ok", "error", "aborted"] = "ok"
+    error: str | None = None  # required when status is "error"
+    ttft_ms: float | None = None  # None when no token was produced
+    trace_id: str = field(default_factory=new_id)
+    created_at: datetime = field(default_factory=utc_now)  # request arrival, tz-aware
+    episode_id: str | None = None
+    turn: int | None = None
+    speculator_version: str | None = None
+    tools: str | None = None
+    num_cached_prompt_tokens: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    def __post_init__(self):
+        for name in ("trace_id", "request_id", "model"):
+            if not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty string")
+        if self.status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
+        if self.status == "error" and not self.error:
+            raise ValueError("error must describe the failure when status is 'error'")
+        if isinstance(self.weight_version, bool) or not isinstance(self.weight_version, int) or self.weight_version < 0:
+            raise ValueError(f"weight_version must be an int >= 0, got {self.weight_version!r}")
+        if self.turn is not None and self.turn < 0:
+            raise ValueError(f"turn must be >= 0, got {self.turn}")
+        n, m = len(self.completion_token_ids), len(self.completion_logprobs)
+        if m != n and (self.status == "ok" or m != 0):
+            raise ValueError(
+                f"completion_logprobs has {m} entries for {n} completion tokens "
+                f"(only a failed or aborted request may log none)"
+            )
+        utc_date(self.created_at)  # rejects naive timestamps
+
+    def to_row(self) -> dict[str, Any]:
+        """The row as TRACE_SCHEMA expects it (partition `date` included)."""
+        row = {f.name: getattr(self, f.name) for f in fields(self)}
+        row["created_at"] = self.created_at.astimezone(timezone.utc)
+        row["date"] = utc_date(self.created_at)
+        row["stack"] = asdict(self.stack)
+        row["sampling"] = asdict(self.sampling)
+        row["schema_version"] = SCHEMA_VERSION
+        return row
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> "Trace":
+        """Inverse of `to_row` for a row read back as a dict (e.g. `table.to_pylist()`)."""
+        if row.get("schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
+            raise ValueError(f"trace schema_version {row['schema_version']} != {SCHEMA_VERSION}")
+        names = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in row.items() if k in names}
+        kwargs["stack"] = StackFingerprint(**row["stack"])
+        kwargs["sampling"] = SamplingInfo(**row["sampling"])
+        return cls(**kwargs)
