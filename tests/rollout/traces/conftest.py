@@ -47,6 +47,6 @@ def make_trace(i: int, *, weight_version: int = 1, day: int = 0, **overrides) ->
     return Trace(**kwargs)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tr_make_trace():
     return make_trace

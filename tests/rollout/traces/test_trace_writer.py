@@ -1,0 +1,184 @@
+import asyncio
+import re
+import shutil
+import threading
+import time
+
+import pyarrow.parquet as pq
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from rollout.traces import Trace, TraceConfig, TraceWriter, read_traces, register_metrics
+
+PART = re.compile(r"part-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\.parquet")
+
+
+def _by_id(table):
+    return {r["trace_id"]: Trace.from_row(r) for r in table.to_pylist()}
+
+
+def test_round_trip_async_and_sync(tmp_path, tr_make_trace):
+    traces = [tr_make_trace(i, weight_version=i % 2, day=i % 3) for i in range(30)]
+    with TraceWriter(TraceConfig(root=tmp_path)) as writer:
+
+        async def main():
+            await asyncio.gather(*(writer.append(t) for t in traces[:20]))
+
+        asyncio.run(main())
+        for t in traces[20:]:
+            writer.append_sync(t)
+        stats = writer.stats()
+    assert stats.traces_written_total == 30 and stats.write_seconds_count == 30
+    table = read_traces(tmp_path)
+    assert table.num_rows == 30
+    assert _by_id(table) == {t.trace_id: t for t in traces}
+    dirs = {p.relative_to(tmp_path / "traces").parent.as_posix() for p in (tmp_path / "traces").rglob("*.parquet")}
+    assert dirs == {f"date=2026-03-0{1 + d}/weight_version={w}" for d in range(3) for w in range(2)}
+    assert not list((tmp_path / "_wal" / "traces").glob("seg-*"))
+
+
+def test_only_complete_parts_are_ever_visible(tmp_path, tr_make_trace):
+    seen, bad, stop = set(), [], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            for p in (tmp_path / "traces").rglob("*"):
+                if p.is_file() and p not in seen:
+                    if not PART.fullmatch(p.name):
+                        bad.append(p.name)
+                    pq.read_metadata(p)  # complete: the footer is there
+                    seen.add(p)
+
+    cfg = TraceConfig(root=tmp_path, max_rows_per_file=40, max_file_age_s=0.05)
+    with TraceWriter(cfg) as writer:
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+
+        async def main():
+            async def client(c):
+                for k in range(25):
+                    await writer.append(tr_make_trace(c * 100 + k, weight_version=c % 3))
+            await asyncio.gather(*(client(c) for c in range(16)))
+
+        asyncio.run(main())
+    stop.set()
+    watcher.join()
+    assert not bad
+    assert len(seen) > 3  # parts rolled while the watcher looked
+    assert all(pq.read_metadata(p).num_rows <= 40 for p in (tmp_path / "traces").rglob("*.parquet"))
+    assert read_traces(tmp_path).num_rows == 400
+    assert not list((tmp_path / "_tmp" / "traces").iterdir())
+
+
+def test_replay_after_crash_between_rename_and_wal_delete(tmp_path, tr_make_trace):
+    wal = tmp_path / "_wal" / "traces"
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    traces = [tr_make_trace(i, weight_version=i % 2) for i in range(50)]
+    writer = TraceWriter(TraceConfig(root=tmp_path, max_file_age_s=600))
+    for t in traces:
+        writer.append_sync(t)
+    for seg in wal.glob("seg-*.wal"):
+        shutil.copy(seg, backup / seg.name)
+    writer.close()  # converts the segment into parts, then deletes it
+    assert read_traces(tmp_path).num_rows == 50
+    for seg in backup.iterdir():  # as if the process died before the delete
+        shutil.copy(seg, wal / seg.name)
+        with open(wal / seg.name, "ab") as f:
+            f.write(b"\x13\x00\x00\x00torn tail")
+    with TraceWriter(TraceConfig(root=tmp_path)) as again:
+        assert again.stats().traces_replayed_total == 50
+    table = read_traces(tmp_path)
+    assert sorted(table["trace_id"].to_pylist()) == sorted(t.trace_id for t in traces)
+
+
+def test_one_writer_per_root(tmp_path):
+    with TraceWriter(TraceConfig(root=tmp_path)):
+        with pytest.raises(RuntimeError, match="another writer"):
+            TraceWriter(TraceConfig(root=tmp_path))
+
+
+def test_concurrent_appends_share_fsyncs_and_keep_the_loop_free(tmp_path, tr_make_trace):
+    n_clients, per_client = 64, 20
+    with TraceWriter(TraceConfig(root=tmp_path, max_rows_per_file=300)) as writer:
+
+        async def main():
+            lag = 0.0
+            done = asyncio.Event()
+
+            async def ticker():
+                nonlocal lag
+                while not done.is_set():
+                    t = time.perf_counter()
+                    await asyncio.sleep(0.001)
+                    lag = max(lag, time.perf_counter() - t - 0.001)
+
+            async def client(c):
+                for k in range(per_client):
+                    await writer.append(tr_make_trace(c * 1000 + k, weight_version=c % 4))
+
+            tick = asyncio.create_task(ticker())
+            await asyncio.gather(*(client(c) for c in range(n_clients)))
+            done.set()
+            await tick
+            return lag
+
+        lag = asyncio.run(main())
+        stats = writer.stats()
+    total = n_clients * per_client
+    assert stats.traces_written_total == total
+    assert stats.wal_fsyncs_total < total / 4  # group commit
+    assert lag < 0.5, f"event loop blocked for {lag:.3f}s"
+    ids = read_traces(tmp_path, columns=["trace_id"])["trace_id"].to_pylist()
+    assert len(ids) == len(set(ids)) == total
+
+
+def test_a_row_that_does_not_fit_fails_only_its_own_append(tmp_path, tr_make_trace):
+    bad = tr_make_trace(999, prompt_token_ids=[2**40])  # not an int32
+    with TraceWriter(TraceConfig(root=tmp_path)) as writer:
+
+        async def main():
+            return await asyncio.gather(*(writer.append(t) for t in [tr_make_trace(1), bad, tr_make_trace(2)]),
+                                        return_exceptions=True)
+
+        results = asyncio.run(main())
+        assert results[0] is None and results[2] is None
+        assert isinstance(results[1], ValueError) and "schema" in str(results[1])
+        assert writer.stats().traces_failed_total == 1
+    assert sorted(read_traces(tmp_path)["trace_id"].to_pylist()) == ["t000001", "t000002"]
+
+
+def test_parts_roll_by_age_without_flush(tmp_path, tr_make_trace):
+    with TraceWriter(TraceConfig(root=tmp_path, max_file_age_s=0.2)) as writer:
+        for i in range(3):
+            writer.append_sync(tr_make_trace(i))
+        deadline = time.monotonic() + 5
+        while read_traces(tmp_path).num_rows < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert read_traces(tmp_path).num_rows == 3
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.append_sync(tr_make_trace(4))
+
+
+def test_interval_mode_returns_at_once_and_syncs_within_the_interval(tmp_path, tr_make_trace):
+    with TraceWriter(TraceConfig(root=tmp_path, durability="interval", flush_interval_s=0.2)) as writer:
+        t = time.perf_counter()
+        for i in range(100):
+            writer.append_sync(tr_make_trace(i))
+        assert time.perf_counter() - t < 0.5
+        deadline = time.monotonic() + 3
+        while writer.stats().traces_written_total < 100 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert writer.stats().traces_written_total == 100
+    assert read_traces(tmp_path).num_rows == 100
+
+
+def test_metrics_on_a_prometheus_registry(tmp_path, tr_make_trace):
+    registry = CollectorRegistry()
+    with TraceWriter(TraceConfig(root=tmp_path)) as writer:
+        register_metrics(registry, writer)
+        writer.append_sync(tr_make_trace(1))
+        text = generate_latest(registry).decode()
+    assert "traces_written_total 1.0" in text
+    assert 'trace_write_seconds_bucket{le="+Inf"} 1.0' in text
+    assert "trace_wal_bytes " in text
