@@ -7,13 +7,19 @@ in that order, so it is bit-exact with the torch twin. w4a16_matmul reads the co
 unpacked from its int32 words, dequantized as (q - z) * s in float32, cast to the activation dtype
 and fed to tl.dot (float32 inputs use IEEE precision, not TF32); accumulation order differs from
 torch's GEMM, so its parity is to a tolerance. Launches pass enable_fp_fusion=False.
+Interpreter deviation: Triton's interpreter multiplies bfloat16 dot operands as raw uint16 bits,
+so under TRITON_INTERPRET=1 half-precision tiles are upcast to float32 before tl.dot (products of
+bf16 values are exact in float32, as in the GPU's bf16 dot with float32 accumulation).
 """
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.spec import QuantSpec
+from kernels.triton_quant import _cast
 
 _LAUNCH = {"enable_fp_fusion": False}
 
@@ -33,13 +39,13 @@ def _int8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
     ws = tl.load(ws_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
     out = acc.to(tl.float32) * xs[:, None]
     out = out * ws[None, :]
-    tl.store(out_ptr + rm[:, None] * N + rn[None, :], out.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + rm[:, None] * N + rn[None, :], _cast(out, out_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 @triton.jit
 def _w4a16_kernel(x_ptr, wp_ptr, s_ptr, zp_ptr, out_ptr, M, N, K, G, NG, KP,
-                  SYM: tl.constexpr, IEEE: tl.constexpr,
+                  SYM: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
@@ -56,12 +62,14 @@ def _w4a16_kernel(x_ptr, wp_ptr, s_ptr, zp_ptr, out_ptr, M, N, K, G, NG, KP,
         if not SYM:
             zw = tl.load(zp_ptr + (rn[None, :] // 8) * NG + grp, mask=wm, other=0)
             q = q - (((zw >> ((rn[None, :] % 8) * 4).to(tl.int32)) & 0xF).to(tl.float32) - 8.0)
-        w = (q * s).to(x_ptr.dtype.element_ty)
-        if IEEE:
+        w = _cast(q * s, x_ptr.dtype.element_ty)
+        if UPCAST:
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        elif IEEE:
             acc = tl.dot(x, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(x, w, acc)
-    tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + rm[:, None] * N + rn[None, :], _cast(acc, out_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
@@ -86,5 +94,7 @@ def w4a16_matmul(x: torch.Tensor, w_packed: torch.Tensor, scale: torch.Tensor,
     zp = scale if zero_point is None else zero_point.contiguous()
     _w4a16_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         x, w_packed, scale, zp, out, m, n, k, g, k // g, w_packed.shape[1],
-        SYM=zero_point is None, IEEE=x.dtype == torch.float32, BM=bm, BN=bn, BK=bk, **_LAUNCH)
+        SYM=zero_point is None, IEEE=x.dtype == torch.float32,
+        UPCAST=os.environ.get("TRITON_INTERPRET") == "1" and x.dtype != torch.float32,
+        BM=bm, BN=bn, BK=bk, **_LAUNCH)
     return out

@@ -5,7 +5,9 @@ like torch on a GPU:
 - every division is `tl.math.div_rn` (Triton's `/` lowers to the approximate `div.full.f32`);
 - launches pass `enable_fp_fusion=False` (no FMA contraction of a multiply and an add);
 - round-half-to-even is `_rint` below, built from floor (libdevice's rint is unavailable in the
-  interpreter), exact for the clamped values it sees (|v| <= 128) and keeping the sign of zero.
+  interpreter), exact for the clamped values it sees (|v| <= 128) and keeping the sign of zero;
+- float32 -> bfloat16 goes through `_cast`, an explicit round-to-nearest-even on the bits (the
+  interpreter's own conversion truncates, the GPU's rounds to nearest even).
 On the CPU these kernels run only under TRITON_INTERPRET=1 (the parity tests); set it before this
 module is imported, because `triton.jit` reads it when it decorates.
 
@@ -34,6 +36,17 @@ def _rint(v):
 
 
 @triton.jit
+def _cast(v, dtype: tl.constexpr):
+    """float32 -> dtype, rounding to nearest even."""
+    if dtype == tl.bfloat16:
+        b = v.to(tl.uint32, bitcast=True)
+        b = b + ((b >> 16) & 1) + 0x7FFF
+        return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(dtype)
+
+
+@triton.jit
 def _qparams_kernel(w_ptr, scale_ptr, zp_ptr, N, K, G, NG,
                     QMIN: tl.constexpr, QMAX: tl.constexpr, SYM: tl.constexpr, EPS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -52,13 +65,13 @@ def _qparams_kernel(w_ptr, scale_ptr, zp_ptr, N, K, G, NG,
         scale = tl.math.div_rn(tl.maximum(-lo, hi), tl.full([BLOCK_N], (QMAX - QMIN) / 2, tl.float32))
     else:
         scale = tl.math.div_rn(hi - lo, tl.full([BLOCK_N], QMAX - QMIN, tl.float32))
-    stored = scale.to(scale_ptr.dtype.element_ty).to(tl.float32)
+    stored = _cast(scale, scale_ptr.dtype.element_ty).to(tl.float32)
     if not SYM:
         zp = tl.minimum(tl.maximum(QMIN - tl.math.div_rn(lo, stored), QMIN), QMAX)
         zp = tl.where(stored == 0.0, 0.0, _rint(zp))
         tl.store(zp_ptr + rows * NG + g, zp.to(tl.int8), mask=rmask)
     stored = tl.where(stored == 0.0, EPS, stored)
-    tl.store(scale_ptr + rows * NG + g, stored.to(scale_ptr.dtype.element_ty), mask=rmask)
+    tl.store(scale_ptr + rows * NG + g, _cast(stored, scale_ptr.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
@@ -84,7 +97,7 @@ def _quant_kernel(w_ptr, scale_ptr, zp_ptr, out_ptr, mask_ptr, N, K, G, NG,
         q = _rint(tl.minimum(tl.maximum(v, QMIN), QMAX))
         if FAKE:
             y = ((q - z[:, None]) + 0.0) * s[:, None]  # +0.0: an int has no -0
-            tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+            tl.store(out_ptr + offs, _cast(y, out_ptr.dtype.element_ty), mask=m)
             tl.store(mask_ptr + offs, (v >= QMIN) & (v <= QMAX), mask=m)
         else:
             tl.store(out_ptr + offs, q.to(tl.int8), mask=m)
@@ -104,7 +117,7 @@ def _dequant_kernel(q_ptr, scale_ptr, zp_ptr, out_ptr, N, K, G, NG, SYM: tl.cons
         v = tl.load(q_ptr + offs, mask=m, other=0).to(tl.float32)
         if not SYM:
             v = v - tl.load(zp_ptr + rows * NG + g, mask=rmask, other=0).to(tl.float32)[:, None]
-        tl.store(out_ptr + offs, (v * s[:, None]).to(out_ptr.dtype.element_ty), mask=m)
+        tl.store(out_ptr + offs, _cast(v * s[:, None], out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -133,7 +146,7 @@ def _fq_backward_kernel(grad_ptr, w_ptr, scale_ptr, zp_ptr, mask_ptr, gw_ptr, gs
             term = tl.where(inside, q - ws, q)
             acc += tl.sum(tl.where(m, gr.to(tl.float32) * term, 0.0), axis=1)
     if SCALE_GRAD:
-        tl.store(gs_ptr + rows * NG + g, acc.to(gs_ptr.dtype.element_ty), mask=rmask)
+        tl.store(gs_ptr + rows * NG + g, _cast(acc, gs_ptr.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
@@ -153,7 +166,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, FAKE: tl.constexpr, BLOCK_K: tl.co
         x = tl.load(x_ptr + row * K + cols, mask=cols < K, other=0.0).to(tl.float32)
         q = _rint(tl.minimum(tl.maximum(x * inv, -128.0), 127.0))
         if FAKE:
-            tl.store(q_ptr + row * K + cols, ((q + 0.0) * scale).to(q_ptr.dtype.element_ty), mask=cols < K)
+            tl.store(q_ptr + row * K + cols, _cast((q + 0.0) * scale, q_ptr.dtype.element_ty), mask=cols < K)
         else:
             tl.store(q_ptr + row * K + cols, q.to(tl.int8), mask=cols < K)
     if not FAKE:
