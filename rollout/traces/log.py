@@ -12,13 +12,16 @@ Durability. "commit": a row is fsynced to the WAL before its waiter is released 
 
 Exactly once. A segment is sealed when it holds `max_rows_per_file` rows or its first row is
 `max_file_age_s` old; it is never appended to again. Part names derive from the segment's name
-(parts.py), the segment is deleted only after its parts are durable, and any segment left at
-start is converted again (replay). A crash between the renames and the delete makes the replay
-overwrite the same files with the same rows: no duplicates, no loss.
+(parts.py), the segment is deleted only after its parts are durable, and any segment left by a
+dead writer is converted again (replay). A crash between the renames and the delete makes the
+replay overwrite the same files with the same rows: no duplicates, no loss.
 
-Layout under `root`: `<name>/` the Parquet table; `_wal/<name>/` the segments and a LOCK that
-the single writer of the table holds (flock, released by the kernel if the process dies);
-`_tmp/<name>/` parts being written.
+Several writers (processes) may share a root. Layout under `root`: `<name>/` the Parquet table;
+`_wal/<name>/<writer id>/` each writer's segments and its LOCK, held with flock for the writer's
+life (the kernel releases it when the process dies, kill -9 included); `_tmp/<name>/<writer
+id>/` parts being written. A writer's directory appears (by rename) only once its LOCK is held.
+At start a writer adopts every directory whose LOCK is free: it replays the segments, then
+removes the directory.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,8 @@ from rollout.traces.parts import fsync_dir, make_dirs, write_parts
 from rollout.traces.wal import SegmentWriter, list_segments, new_segment_path, read_segment
 
 log = logging.getLogger(__name__)
+
+CONVERT_CHUNK_ROWS = 32  # rows per Arrow conversion (and WAL record): bounds one GIL hold
 
 
 class SyncWaiter:
@@ -81,28 +87,20 @@ class PartitionedLog:
         self.schema, self.schema_version, self.partition_cols = schema, schema_version, partition_cols
         self.durability, self.flush_interval_s = durability, flush_interval_s
         self.max_rows_per_file, self.max_file_age_s = max_rows_per_file, max_file_age_s
-        self.table_dir, self.wal_dir, self.tmp_dir = root / name, root / "_wal" / name, root / "_tmp" / name
-        for d in (self.table_dir, self.wal_dir, self.tmp_dir):
+        self.table_dir, self.wal_root, self.tmp_root = root / name, root / "_wal" / name, root / "_tmp" / name
+        for d in (self.table_dir, self.wal_root, self.tmp_root):
             make_dirs(d)
-        self._lock_fd = os.open(self.wal_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise RuntimeError(f"another writer holds {self.wal_dir} (one writer per table and root)") from None
+        writer_id = uuid.uuid4().hex[:16]
+        self.wal_dir, self.tmp_dir = self.wal_root / writer_id, self.tmp_root / writer_id
+        self._lock_fd = self._create_locked_dir(self.wal_dir)
+        self.tmp_dir.mkdir()
 
         # counters, each written by one thread only
         self.rows_put = self.rows_committed = self.rows_failed = 0
         self.commit_groups = self.fsyncs = self.wal_bytes_written = 0
         self.wal_bytes_converted = self.parquet_rows = self.parquet_parts = self.conversion_errors = 0
         self.replayed_rows = 0
-
-        for p in self.tmp_dir.iterdir():  # parts a dead writer had not renamed yet
-            p.unlink()
-        for seg in list_segments(self.wal_dir):
-            rows, _ = self._convert(seg)
-            self.replayed_rows += rows
-            log.info("replayed %s: %d rows", seg.name, rows)
+        self._adopt_dead_writers()
 
         self._cond = threading.Condition()
         self._pending: list[tuple[dict | None, Any]] = []
@@ -116,6 +114,53 @@ class PartitionedLog:
         self._converter = threading.Thread(target=self._convert_loop, name=f"{name}-wal-convert", daemon=True)
         self._committer.start()
         self._converter.start()
+
+    # ---- start: own directory, adoption of dead writers' WALs ---------------------------------
+    def _create_locked_dir(self, final: Path) -> int:
+        staging = final.with_name(f".new-{final.name}")
+        staging.mkdir()
+        fd = os.open(staging / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else can know this directory yet
+        os.rename(staging, final)
+        fsync_dir(final.parent)
+        return fd
+
+    def _adopt_dead_writers(self) -> None:
+        for wal in sorted(self.wal_root.iterdir()):
+            if wal == self.wal_dir or not wal.is_dir() or wal.name.startswith(".new-"):
+                continue  # (a staging directory holds no segment)
+            try:
+                fd = os.open(wal / "LOCK", os.O_RDWR)
+            except FileNotFoundError:  # another writer is removing it
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a live writer
+                os.close(fd)
+                continue
+            try:
+                self._replay(wal)
+            except FileNotFoundError:  # adopted and removed by another writer meanwhile
+                pass
+            finally:
+                os.close(fd)
+
+    def _replay(self, wal: Path) -> None:
+        failed = 0
+        for seg in list_segments(wal):
+            try:
+                rows, _ = self._convert(seg)
+            except Exception:
+                log.exception("replaying %s failed; it stays for the next writer to retry", seg)
+                self.conversion_errors += 1
+                failed += 1
+                continue
+            self.replayed_rows += rows
+            log.info("replayed %s: %d rows", seg, rows)
+        _remove_tree(self.tmp_root / wal.name)  # its unfinished parts
+        if not failed:
+            _remove_tree(wal)
+            fsync_dir(self.wal_root)
 
     # ---- caller side -------------------------------------------------------------------
     def put(self, row: dict, waiter: Any) -> None:
@@ -152,6 +197,9 @@ class PartitionedLog:
         finally:
             self._committer.join()
             self._converter.join()
+            _remove_tree(self.tmp_dir)
+            if not self._failed:
+                _remove_tree(self.wal_dir)  # else left for the next writer to adopt
             os.close(self._lock_fd)
             self._lock_fd = -1
 
@@ -213,31 +261,39 @@ class PartitionedLog:
         return time.monotonic() - self._segment_started
 
     def _write_group(self, group: list) -> None:
+        """One commit: the group's rows as WAL records, then one fsync."""
         if not group:
             return
         errors: list[BaseException | None] = [None] * len(group)
-        try:
-            batch = pa.RecordBatch.from_pylist([row for row, _ in group], schema=self.schema)
-        except Exception:  # find the rows that do not fit; write the others
-            good = []
-            for i, (row, _) in enumerate(group):
-                try:
-                    pa.RecordBatch.from_pylist([row], schema=self.schema)
-                    good.append(row)
-                except Exception as e:
-                    errors[i] = ValueError(f"row does not fit the {self.table_dir.name} schema: {e}")
-            batch = pa.RecordBatch.from_pylist(good, schema=self.schema) if good else None
-        if batch is not None:
+        batches = []
+        # Converting Python rows holds the GIL for the whole call: convert in small chunks so
+        # the event loop thread never waits long for it.
+        for start in range(0, len(group), CONVERT_CHUNK_ROWS):
+            rows = [row for row, _ in group[start : start + CONVERT_CHUNK_ROWS]]
+            try:
+                batches.append(pa.RecordBatch.from_pylist(rows, schema=self.schema))
+            except Exception:  # find the rows that do not fit; write the others
+                good = []
+                for i, row in enumerate(rows, start):
+                    try:
+                        pa.RecordBatch.from_pylist([row], schema=self.schema)
+                        good.append(row)
+                    except Exception as e:
+                        errors[i] = ValueError(f"row does not fit the {self.table_dir.name} schema: {e}")
+                if good:
+                    batches.append(pa.RecordBatch.from_pylist(good, schema=self.schema))
+        if batches:
             try:
                 if self._segment is None:
                     self._open_segment()
-                self.wal_bytes_written += self._segment.append(batch)
+                for batch in batches:
+                    self.wal_bytes_written += self._segment.append(batch)
                 self._segment.sync()
                 self.fsyncs += 1
                 self.commit_groups += 1
-                self.rows_committed += batch.num_rows
+                self.rows_committed += sum(b.num_rows for b in batches)
             except OSError as e:
-                log.exception("WAL write failed; %d rows not written", batch.num_rows)
+                log.exception("WAL write failed; a group of %d rows is reported failed", len(group))
                 errors = [err or e for err in errors]
                 self._seal()  # its valid prefix is converted; the torn record is skipped
         self._release(group, errors)
@@ -313,7 +369,16 @@ class PartitionedLog:
         )
         size = path.stat().st_size
         path.unlink()
-        fsync_dir(self.wal_dir)
+        fsync_dir(path.parent)
         self.parquet_rows += table.num_rows
         self.parquet_parts += len(parts)
         return table.num_rows, size
+
+
+def _remove_tree(path: Path) -> None:
+    """Remove a flat directory (files only) if it exists."""
+    if not path.is_dir():
+        return
+    for p in path.iterdir():
+        p.unlink(missing_ok=True)
+    path.rmdir()

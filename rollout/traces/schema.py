@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from typing import Any, Literal
 
@@ -205,11 +205,11 @@ class Trace:
 
     def to_row(self) -> dict[str, Any]:
         """The row as TRACE_SCHEMA expects it (partition `date` included)."""
-        row = {f.name: getattr(self, f.name) for f in fields(self)}
-        row["created_at"] = self.created_at.astimezone(timezone.utc)
-        row["date"] = utc_date(self.created_at)
-        row["stack"] = asdict(self.stack)
-        row["sampling"] = asdict(self.sampling)
+        row = dict(self.__dict__)  # shallow: on the request path, ~3 us
+        row["created_at"] = created_at = self.created_at.astimezone(timezone.utc)
+        row["date"] = created_at.date().isoformat()
+        row["stack"] = dict(self.stack.__dict__)
+        row["sampling"] = dict(self.sampling.__dict__)
         row["schema_version"] = SCHEMA_VERSION
         return row
 

@@ -6,7 +6,7 @@ schema (the log's schema is implied by the schema version). A record counts only
 complete and its checksum matches; reading stops at the first one that is not (the torn tail
 of a crash). A segment is written by one writer and never appended to once that writer moves
 on or dies, so reading it again always yields the same rows: replay is deterministic.
-Durability is the caller's: `sync()` is the fsync that makes what was appended survive.
+Durability is the caller's: `sync()` (fdatasync) makes what was appended survive.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class SegmentWriter:
         return self.bytes - before
 
     def sync(self) -> None:
-        os.fsync(self._fd)
+        os.fdatasync(self._fd)  # data and the file size; the segment's name was synced at creation
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -7,7 +7,8 @@ returns once the trace is fsynced to the WAL (concurrent appends share one fsync
 "interval" mode it returns at once and a crash loses at most the last `flush_interval_s`.
 Parquet parts appear under `<root>/traces/date=YYYY-MM-DD/weight_version=N/` when a WAL segment
 rolls (`max_rows_per_file` rows or `max_file_age_s` seconds), on `flush()` and on `close()`;
-the WAL left by a crash is replayed when the next writer starts. One writer per root.
+the WAL left by a crash is replayed when the next writer starts. Several writers (e.g. one per
+API server process) may share a root; each has its own WAL and adopts those of dead writers.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ WRITE_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.
 
 @dataclass
 class TraceConfig:
-    root: Path  # data root: traces go to <root>/traces, the WAL to <root>/_wal/traces
+    root: Path  # data root: traces go to <root>/traces, WALs to <root>/_wal/traces/<writer>
     durability: Literal["commit", "interval"] = "commit"
     flush_interval_s: float = 1.0  # "interval" mode: WAL fsync period, the most a crash loses
     max_rows_per_file: int = 10_000

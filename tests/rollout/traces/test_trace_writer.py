@@ -34,7 +34,7 @@ def test_round_trip_async_and_sync(tmp_path, tr_make_trace):
     assert _by_id(table) == {t.trace_id: t for t in traces}
     dirs = {p.relative_to(tmp_path / "traces").parent.as_posix() for p in (tmp_path / "traces").rglob("*.parquet")}
     assert dirs == {f"date=2026-03-0{1 + d}/weight_version={w}" for d in range(3) for w in range(2)}
-    assert not list((tmp_path / "_wal" / "traces").glob("seg-*"))
+    assert not list((tmp_path / "_wal" / "traces").iterdir())
 
 
 def test_only_complete_parts_are_ever_visible(tmp_path, tr_make_trace):
@@ -67,35 +67,40 @@ def test_only_complete_parts_are_ever_visible(tmp_path, tr_make_trace):
     assert len(seen) > 3  # parts rolled while the watcher looked
     assert all(pq.read_metadata(p).num_rows <= 40 for p in (tmp_path / "traces").rglob("*.parquet"))
     assert read_traces(tmp_path).num_rows == 400
-    assert not list((tmp_path / "_tmp" / "traces").iterdir())
+    assert not list((tmp_path / "_tmp" / "traces").rglob("*"))
 
 
 def test_replay_after_crash_between_rename_and_wal_delete(tmp_path, tr_make_trace):
     wal = tmp_path / "_wal" / "traces"
-    backup = tmp_path / "backup"
-    backup.mkdir()
     traces = [tr_make_trace(i, weight_version=i % 2) for i in range(50)]
     writer = TraceWriter(TraceConfig(root=tmp_path, max_file_age_s=600))
     for t in traces:
         writer.append_sync(t)
-    for seg in wal.glob("seg-*.wal"):
-        shutil.copy(seg, backup / seg.name)
+    (dead,) = [p for p in wal.iterdir()]
+    shutil.copytree(dead, tmp_path / "backup")
     writer.close()  # converts the segment into parts, then deletes it
-    assert read_traces(tmp_path).num_rows == 50
-    for seg in backup.iterdir():  # as if the process died before the delete
-        shutil.copy(seg, wal / seg.name)
-        with open(wal / seg.name, "ab") as f:
+    assert read_traces(tmp_path).num_rows == 50 and not list(wal.iterdir())
+    shutil.copytree(tmp_path / "backup", dead)  # as if the writer died before the delete
+    for seg in dead.glob("seg-*.wal"):
+        with open(seg, "ab") as f:
             f.write(b"\x13\x00\x00\x00torn tail")
     with TraceWriter(TraceConfig(root=tmp_path)) as again:
         assert again.stats().traces_replayed_total == 50
     table = read_traces(tmp_path)
     assert sorted(table["trace_id"].to_pylist()) == sorted(t.trace_id for t in traces)
+    assert not list(wal.iterdir()) and not list((tmp_path / "_tmp" / "traces").iterdir())
 
 
-def test_one_writer_per_root(tmp_path):
-    with TraceWriter(TraceConfig(root=tmp_path)):
-        with pytest.raises(RuntimeError, match="another writer"):
-            TraceWriter(TraceConfig(root=tmp_path))
+def test_writers_share_a_root_and_leave_each_other_alone(tmp_path, tr_make_trace):
+    first = TraceWriter(TraceConfig(root=tmp_path, max_file_age_s=600))
+    first.append_sync(tr_make_trace(1))
+    with TraceWriter(TraceConfig(root=tmp_path)) as second:  # must not adopt the live first's WAL
+        assert second.stats().traces_replayed_total == 0
+        second.append_sync(tr_make_trace(2))
+    assert read_traces(tmp_path)["trace_id"].to_pylist() == ["t000002"]
+    first.append_sync(tr_make_trace(3))
+    first.close()
+    assert sorted(read_traces(tmp_path)["trace_id"].to_pylist()) == ["t000001", "t000002", "t000003"]
 
 
 def test_concurrent_appends_share_fsyncs_and_keep_the_loop_free(tmp_path, tr_make_trace):
