@@ -87,6 +87,7 @@ class PartitionedLog:
         self.schema, self.schema_version, self.partition_cols = schema, schema_version, partition_cols
         self.durability, self.flush_interval_s = durability, flush_interval_s
         self.max_rows_per_file, self.max_file_age_s = max_rows_per_file, max_file_age_s
+        self._row_type = pa.struct(list(schema))
         self.table_dir, self.wal_root, self.tmp_root = root / name, root / "_wal" / name, root / "_tmp" / name
         for d in (self.table_dir, self.wal_root, self.tmp_root):
             make_dirs(d)
@@ -271,17 +272,17 @@ class PartitionedLog:
         for start in range(0, len(group), CONVERT_CHUNK_ROWS):
             rows = [row for row, _ in group[start : start + CONVERT_CHUNK_ROWS]]
             try:
-                batches.append(pa.RecordBatch.from_pylist(rows, schema=self.schema))
+                batches.append(self._to_batch(rows))
             except Exception:  # find the rows that do not fit; write the others
                 good = []
                 for i, row in enumerate(rows, start):
                     try:
-                        pa.RecordBatch.from_pylist([row], schema=self.schema)
+                        self._to_batch([row])
                         good.append(row)
                     except Exception as e:
                         errors[i] = ValueError(f"row does not fit the {self.table_dir.name} schema: {e}")
                 if good:
-                    batches.append(pa.RecordBatch.from_pylist(good, schema=self.schema))
+                    batches.append(self._to_batch(good))
         if batches:
             try:
                 if self._segment is None:
@@ -297,6 +298,10 @@ class PartitionedLog:
                 errors = [err or e for err in errors]
                 self._seal()  # its valid prefix is converted; the torn record is skipped
         self._release(group, errors)
+
+    def _to_batch(self, rows: list[dict]) -> pa.RecordBatch:
+        # one struct conversion: about half the fixed cost of from_pylist's column by column
+        return pa.RecordBatch.from_struct_array(pa.array(rows, type=self._row_type))
 
     def _release(self, group: list, errors: list) -> None:
         by_loop: dict = {}
