@@ -1,0 +1,153 @@
+"""Build the base agent model here, with no hub: tokenizer -> model -> SFT -> save -> evaluate.
+
+The result is a Hugging Face folder (config.json, model.safetensors, tokenizer files, chat
+template) plus `flywheel_manifest.json`. It is cached under `cache_dir/base-<key>`, where the key
+hashes everything that shapes it (model shape, SFT settings, task seeds), and written atomically
+(built in a temporary folder, then renamed), so an interrupted bootstrap leaves nothing half-made
+and a second run reuses the first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from trainers.bootstrap.model import ModelConfig
+from trainers.bootstrap.sft import SFTConfig
+
+MANIFEST = "flywheel_manifest.json"
+
+
+@dataclass
+class TaskConfig:
+    seed: int = 0
+    num_eval_problems: int = 200  # the eval split used for base success (and later, RL evals)
+
+    def __post_init__(self):
+        if self.num_eval_problems <= 0:
+            raise ValueError(f"num_eval_problems must be positive, got {self.num_eval_problems}")
+
+
+@dataclass
+class BootstrapConfig:
+    cache_dir: str = ".cache/flywheel"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    tokenizer_corpus_problems: int = 3000
+
+
+@dataclass
+class BaseModelManifest:
+    kind: str
+    path: str
+    key: str
+    num_parameters: int
+    sft_steps: int
+    sft_seconds: float
+    sft_eval_success: float
+    files_sha256: dict[str, str]
+    config: dict
+    created_at: float
+    eval: dict = field(default_factory=dict)  # {"vllm_greedy": x, "vllm_t1": y, "num_problems": n}
+    sft_history: list[dict] = field(default_factory=list)  # [{"step", "sft/loss", ...}]
+
+    def save(self, folder: str | Path) -> None:
+        tmp = Path(folder) / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.replace(Path(folder) / MANIFEST)
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "BaseModelManifest":
+        return cls(**json.loads((Path(folder) / MANIFEST).read_text()))
+
+
+def cache_key(cfg: BootstrapConfig, task: TaskConfig) -> str:
+    blob = json.dumps({"model": asdict(cfg.model), "sft": asdict(cfg.sft), "task_seed": task.seed,
+                       "corpus": cfg.tokenizer_corpus_problems, "format": 1}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def sha256_files(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+
+
+def bootstrap(cfg: BootstrapConfig, task: TaskConfig, log=lambda step, metrics: None) -> BaseModelManifest:
+    """Return the cached base model for `cfg`, building it first if needed."""
+    if cfg.model.path:
+        folder = Path(cfg.model.path)
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"model.path {folder} is not a Hugging Face folder (no config.json)")
+        if (folder / MANIFEST).is_file():
+            return BaseModelManifest.load(folder)
+        return BaseModelManifest("external", str(folder), "", 0, 0, 0.0, float("nan"),
+                                 sha256_files(folder), {}, time.time())
+    key = cache_key(cfg, task)
+    folder = Path(cfg.cache_dir).resolve() / f"base-{key}"
+    if (folder / MANIFEST).is_file():
+        return BaseModelManifest.load(folder)
+
+    import torch
+
+    from rollout.task import TOOLS, demonstration, make_problems
+    from trainers.bootstrap.model import build_model
+    from trainers.bootstrap.sft import sft
+    from trainers.bootstrap.tokenizer import render_texts, save_hf_tokenizer, train_tokenizer
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    train = make_problems("train", max(cfg.sft.num_train_problems, cfg.tokenizer_corpus_problems), task.seed)
+    evals = make_problems("eval", cfg.sft.eval_problems, task.seed + 1)  # SFT's early-stop slice
+    tmp = folder.with_name(folder.name + f".tmp-{time.time_ns()}")
+    tmp.mkdir(parents=True)
+    try:
+        texts = render_texts([demonstration(p) for p in train[: cfg.tokenizer_corpus_problems]], TOOLS)
+        tok = train_tokenizer(texts, cfg.model.vocab_size)
+        tokenizer = save_hf_tokenizer(tok, tmp, cfg.model.max_position_embeddings)
+        model = build_model(cfg.model, tokenizer, seed=cfg.sft.seed)
+        result = sft(model, tokenizer, cfg.sft, evals, train[: cfg.sft.num_train_problems], log=log)
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        manifest = BaseModelManifest(
+            kind="base_model", path=str(folder), key=key,
+            num_parameters=sum(p.numel() for p in model.parameters()),
+            sft_steps=result.steps, sft_seconds=round(result.seconds, 2),
+            sft_eval_success=result.eval_success, files_sha256=sha256_files(tmp),
+            config={"model": asdict(cfg.model), "sft": asdict(cfg.sft), "task": asdict(task)},
+            created_at=time.time(), sft_history=result.history,
+        )
+        manifest.save(tmp)
+        if folder.exists():  # lost a race with another bootstrap of the same key: keep theirs
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return BaseModelManifest.load(folder)
+
+
+def evaluate_with_vllm(manifest: BaseModelManifest, task: TaskConfig, engine_cfg, llm=None) -> dict:
+    """Base success on the eval split through the vLLM engine, greedy and at T=1.0; saved in the
+    manifest. Pass a running `llm` to reuse an engine."""
+    from transformers import AutoTokenizer
+
+    from rollout.engine import make_llm, vllm_generate
+    from rollout.episode import run_episodes, success_rate
+    from rollout.task import make_problems
+
+    problems = make_problems("eval", task.num_eval_problems, task.seed)
+    llm = llm or make_llm(manifest.path, engine_cfg)
+    tokenizer = AutoTokenizer.from_pretrained(manifest.path)
+    gen = vllm_generate(llm)
+    result = {"num_problems": len(problems)}
+    for name, temperature in (("vllm_greedy", 0.0), ("vllm_t1", 1.0)):
+        t0 = time.perf_counter()
+        result[name] = success_rate(run_episodes(problems, tokenizer, gen, temperature=temperature))
+        result[name + "_seconds"] = round(time.perf_counter() - t0, 2)
+    manifest.eval = result
+    if Path(manifest.path, MANIFEST).is_file():
+        manifest.save(manifest.path)
+    return result

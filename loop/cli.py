@@ -1,0 +1,72 @@
+"""`loop`: the Flywheel command line.
+
+    loop run CONFIG [key=value ...]        bootstrap the base model if needed, then run the loop
+    loop bootstrap CONFIG [key=value ...]  build (or reuse) the base model and measure it on vLLM
+    loop ui CONFIG                         open the MLflow UI on the run's tracking store
+    loop serve CONFIG [key=value ...]      serve the model (serve.model, else the base) over HTTP
+    loop config CONFIG [key=value ...]     print the resolved config
+
+Overrides use Hydra's grammar: `loop run conf/agent_rl.yaml bootstrap.sft.lr=5e-4`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+
+from loop.configs import ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="loop", description="Flywheel: serve, trace, train, requantize, gate, swap.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, help_ in (("run", "run the loop"), ("bootstrap", "build the base model"),
+                        ("config", "print the resolved config"), ("ui", "open the MLflow UI"),
+                        ("serve", "serve the model over the OpenAI API, traced")):
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("config", help="a YAML file under conf/")
+        sp.add_argument("overrides", nargs="*", help="Hydra-style overrides: key.sub=value")
+        if name == "ui":
+            sp.add_argument("--port", type=int, default=5000)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from loop.config import load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.command == "config":
+        print(json.dumps(asdict(cfg), indent=2))
+        return 0
+    if args.command == "ui":
+        cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", cfg.tracking_uri, "--port", str(args.port)]
+        print(" ".join(cmd))
+        return subprocess.call(cmd)
+    if args.command == "serve":
+        from rollout.server import serve
+
+        model = cfg.serve.model
+        if model is None:
+            from loop.bootstrap import bootstrap
+
+            model = bootstrap(cfg.bootstrap, cfg.task).path
+        serve(cfg.serve, cfg.engine, model)
+        return 0
+    from loop.run import bootstrap_phase, run
+
+    if args.command == "bootstrap":
+        bootstrap_phase(cfg)
+        return 0
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""The loop's config: one dataclass per component, composed here and nowhere else.
+
+`conf/*.yaml` files override these embedded defaults; `loop.configs.load` checks every key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loop.bootstrap import BootstrapConfig, TaskConfig
+from loop.configs import load
+from rollout.engine import EngineConfig
+from rollout.server.config import ServeConfig
+
+
+@dataclass
+class MlflowConfig:
+    tracking_uri: str | None = None  # None: a sqlite store under run_dir (sqlite:///<run_dir>/mlflow.db)
+    experiment: str = "flywheel"
+
+
+@dataclass
+class LoopConfig:
+    run_dir: str = "runs/agent_rl"
+    task: TaskConfig = field(default_factory=TaskConfig)
+    bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+
+    def __post_init__(self):
+        if not self.run_dir:
+            raise ValueError("run_dir must not be empty")
+
+    @property
+    def tracking_uri(self) -> str:
+        if self.mlflow.tracking_uri:
+            return self.mlflow.tracking_uri
+        return f"sqlite:///{(Path(self.run_dir) / 'mlflow.db').resolve()}"
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> LoopConfig:
+    return load(LoopConfig, path, overrides)

@@ -1,0 +1,66 @@
+"""The loop, one phase a line, each timed.
+
+    bootstrap -> collect -> build_dataset -> train -> requantize -> validate -> promote
+
+Each phase is a function from a typed artifact (a manifest dataclass) to the next. Phases that are
+not built yet are listed, not faked: `run` stops after the last built phase and says so.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+from loop.bootstrap import BaseModelManifest, bootstrap, evaluate_with_vllm
+from loop.config import LoopConfig
+
+PHASES_NOT_YET_BUILT = ("collect", "build_dataset", "train", "requantize", "validate", "promote")
+
+
+@contextmanager
+def phase(name: str, timings: dict):
+    print(f"[loop] {name} ...", flush=True)
+    t0 = time.perf_counter()
+    yield
+    timings[name] = round(time.perf_counter() - t0, 2)
+    print(f"[loop] {name} done in {timings[name]:.1f}s", flush=True)
+
+
+def bootstrap_phase(cfg: LoopConfig) -> BaseModelManifest:
+    """The base model (built or reused), its base success measured on vLLM, logged to MLflow."""
+    import mlflow
+
+    from loop.tracking import log_curve, start_run
+
+    timings: dict = {}
+    with phase("bootstrap", timings):
+        base = bootstrap(cfg.bootstrap, cfg.task)
+    if not base.eval:
+        with phase("evaluate base on vLLM", timings):
+            evaluate_with_vllm(base, cfg.task, cfg.engine)
+    print(f"[loop] base model {base.path}: {base.num_parameters / 1e6:.2f}M parameters, "
+          f"{base.sft_steps} SFT steps ({base.sft_seconds:.0f}s); success on {base.eval.get('num_problems')} "
+          f"eval problems via vLLM: greedy {base.eval.get('vllm_greedy', float('nan')):.1%}, "
+          f"T=1.0 {base.eval.get('vllm_t1', float('nan')):.1%}")
+    with start_run(cfg, "bootstrap", tags={"phase": "bootstrap", "base_key": base.key}):
+        client, run_id = mlflow.tracking.MlflowClient(), mlflow.active_run().info.run_id
+        now = int(time.time() * 1000)
+        metrics = [mlflow.entities.Metric(k, v, now, h["step"]) for h in base.sft_history
+                   for k, v in h.items() if k != "step"]
+        for i in range(0, len(metrics), 900):
+            client.log_batch(run_id, metrics=metrics[i:i + 900])
+        mlflow.log_metrics({f"base/{k}": v for k, v in base.eval.items() if isinstance(v, (int, float))})
+        mlflow.log_metrics({"base/num_parameters": base.num_parameters, "base/sft_seconds": base.sft_seconds,
+                            **{f"time/{k}": v for k, v in timings.items()}})
+        mlflow.log_dict(base.files_sha256, "base_model_sha256.json")
+        log_curve(base.sft_history, "sft/loss", "sft_loss.png", "SFT loss (assistant tokens)")
+        log_curve(base.sft_history, "sft/eval_success", "sft_success.png",
+                  f"SFT: success at T={cfg.bootstrap.sft.eval_temperature}")
+    return base
+
+
+def run(cfg: LoopConfig) -> int:
+    base = bootstrap_phase(cfg)
+    print(f"[loop] phases not built yet: {' -> '.join(PHASES_NOT_YET_BUILT)}; "
+          f"the base model is ready at {base.path}")
+    return 0

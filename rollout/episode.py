@@ -1,0 +1,117 @@
+"""Agent episodes, token-in/token-out, over any generation backend.
+
+An episode is played turn by turn on token ids: turn k+1's prompt is exactly turn k's prompt,
+plus the tokens the policy sampled (ending in `<|im_end|>`), plus the rendered tool result and the
+next assistant header. Nothing is re-tokenized, so the token ids and behaviour logprobs that an
+episode records are exactly what the engine saw and produced.
+
+A backend is a `Generate` callable: prompts (lists of token ids) -> one `Completion` each. The
+offline vLLM engine, a transformers model and the HTTP endpoint all fit behind it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from rollout.task import TOOLS, Problem, calculator, reward
+
+TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float] | None = None  # behaviour logprob of each sampled token
+    finish_reason: str = "stop"  # "stop" | "length"
+
+
+class Generate(Protocol):
+    def __call__(self, prompts: list[list[int]], temperature: float, max_tokens: int) -> list[Completion]: ...
+
+
+@dataclass
+class Turn:
+    prompt_ids: list[int]
+    completion: Completion
+
+
+@dataclass
+class Episode:
+    problem: Problem
+    messages: list[dict]
+    turns: list[Turn] = field(default_factory=list)
+    reward: float = 0.0
+    done: bool = False
+
+
+def parse_assistant(text: str) -> dict:
+    """Hermes-style parse of an assistant completion into an OpenAI message (what vLLM's
+    `hermes` tool parser returns): content outside `<tool_call>` blocks, and the calls."""
+    calls = []
+    for i, body in enumerate(TOOL_CALL_RE.findall(text)):
+        try:
+            obj = json.loads(body)
+            fn = {"name": obj["name"], "arguments": json.dumps(obj["arguments"])}
+        except (json.JSONDecodeError, KeyError, TypeError):
+            fn = {"name": "", "arguments": body}  # malformed: kept, scored 0 by the reward
+        calls.append({"id": f"call_{i}", "type": "function", "function": fn})
+    content = TOOL_CALL_RE.sub("", text).strip() if calls else text.strip()
+    return {"role": "assistant", "content": content, "tool_calls": calls or None}
+
+
+def tool_result_ids(tokenizer, result: str) -> list[int]:
+    """Tokens that follow an assistant turn's `<|im_end|>`: the tool result and the next header."""
+    text = f"\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def run_episodes(
+    problems: list[Problem],
+    tokenizer,
+    generate: Generate | Callable,
+    *,
+    temperature: float,
+    max_tokens: int = 48,
+    max_turns: int = 2,
+) -> list[Episode]:
+    """Play one episode per problem, batching each turn across the episodes still running."""
+    eos = tokenizer.eos_token_id
+    episodes = [Episode(p, p.messages()) for p in problems]
+    prompts = [prompt_ids(tokenizer, p.messages()) for p in problems]
+    for _ in range(max_turns):
+        live = [i for i, e in enumerate(episodes) if not e.done]
+        if not live:
+            break
+        outs = generate([prompts[i] for i in live], temperature=temperature, max_tokens=max_tokens)
+        for i, out in zip(live, outs):
+            ep = episodes[i]
+            ep.turns.append(Turn(prompts[i], out))
+            ids = out.token_ids[:-1] if out.token_ids and out.token_ids[-1] == eos else out.token_ids
+            msg = parse_assistant(tokenizer.decode(ids, skip_special_tokens=False))
+            ep.messages.append(msg)
+            if out.finish_reason != "stop" or not msg["tool_calls"]:
+                ep.done = True
+                continue
+            fn = msg["tool_calls"][0]["function"]
+            try:
+                result = calculator(json.loads(fn["arguments"])["expression"])
+            except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+                result = f"error: {e}"
+            ep.messages.append({"role": "tool", "tool_call_id": "call_0", "content": result})
+            prompts[i] = prompts[i] + list(out.token_ids) + tool_result_ids(tokenizer, result)
+    for ep in episodes:
+        ep.done = True
+        ep.reward = reward(ep.problem, ep.messages)
+    return episodes
+
+
+def success_rate(episodes: list[Episode]) -> float:
+    return sum(e.reward for e in episodes) / max(1, len(episodes))

@@ -1,0 +1,47 @@
+from pathlib import Path
+
+import pytest
+
+from loop.config import LoopConfig, load_config
+from loop.configs import ConfigError
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+@pytest.mark.parametrize("path", sorted(CONF.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_yaml_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, LoopConfig)
+
+
+def test_overrides_apply_with_hydra_grammar():
+    cfg = load_config(CONF / "agent_rl.yaml", ["bootstrap.sft.lr=5e-4", "engine.kv_cache_gib=2", "~run_dir"])
+    assert cfg.bootstrap.sft.lr == 5e-4 and cfg.engine.kv_cache_gib == 2
+    assert cfg.run_dir == LoopConfig().run_dir  # deleted from the YAML: the embedded default
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("bootstrap.sft.lrr=1", "bootstrap.sft.lrr: unknown key (did you mean 'lr'?)"),
+    ("bootstrap.sft.lr=abc", "bootstrap.sft.lr: expected float"),
+    ("bootstrap.model.num_heads=5", "bootstrap.model: hidden_size 192 is not divisible by num_heads 5"),
+    ("engine.dtype=int3", "engine: dtype must be"),
+    ("engine.enforce_eager=3", "engine.enforce_eager: expected bool"),
+    ("task=3", "task: expected a mapping"),
+    ("bootstrap.sft.lr==", "bad override"),
+])
+def test_bad_values_name_the_file_and_key(override, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(CONF / "agent_rl.yaml", [override])
+    assert needle in str(e.value) and "agent_rl.yaml" in str(e.value)
+
+
+def test_typo_in_yaml_file_is_named(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engine:\n  max_model_lenn: 10\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: engine.max_model_lenn: unknown key"):
+        load_config(bad)
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "nope.yaml")

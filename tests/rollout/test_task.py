@@ -1,0 +1,52 @@
+import json
+
+import pytest
+
+from rollout.episode import parse_assistant
+from rollout.task import calculator, demonstration, make_problems, reward
+
+
+def test_splits_are_seeded_and_disjoint():
+    train, again = make_problems("train", 300, seed=3), make_problems("train", 300, seed=3)
+    assert train == again
+    evals = make_problems("eval", 300, seed=3)
+    assert not {p.question for p in train} & {p.question for p in evals} or len(
+        {p.question for p in train} & {p.question for p in evals}) < 10  # templates may collide rarely
+    assert all(int(calculator(p.expression)) == p.answer for p in train + evals)
+
+
+@pytest.mark.parametrize("expr, out", [("37*12+5", "449"), ("(6*4)/3", "8"), ("7/2", "3.5"), ("-3+1", "-2")])
+def test_calculator(expr, out):
+    assert calculator(expr) == out
+
+
+@pytest.mark.parametrize("expr", ["__import__('os')", "2**10", "1/0", "a+1", "1;2", "x" * 100, ""])
+def test_calculator_rejects(expr):
+    with pytest.raises(ValueError):
+        calculator(expr)
+
+
+def test_reward_is_exact():
+    p = make_problems("eval", 1)[0]
+    demo = demonstration(p)
+    assert reward(p, demo) == 1.0
+    wrong = demo[:-1] + [{"role": "assistant", "content": f"Answer: {p.answer + 1}"}]
+    assert reward(p, wrong) == 0.0
+    no_tool = p.messages() + [{"role": "assistant", "content": f"Answer: {p.answer}"}]
+    assert reward(p, no_tool) == 0.0
+    malformed = [dict(m) for m in demo]
+    malformed[2] = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": "{expression: 1+1"}}]}
+    assert reward(p, malformed) == 0.0
+    wrong_tool = [dict(m) for m in demo]
+    wrong_tool[2] = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "search", "arguments": json.dumps({"expression": "1"})}}]}
+    assert reward(p, wrong_tool) == 0.0
+
+
+def test_parse_assistant_hermes_format():
+    msg = parse_assistant('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+2"}}\n</tool_call>')
+    assert msg["content"] == "" and json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"expression": "2+2"}
+    assert parse_assistant("Answer: 4") == {"role": "assistant", "content": "Answer: 4", "tool_calls": None}
+    bad = parse_assistant("<tool_call>{nope}</tool_call>")
+    assert bad["tool_calls"][0]["function"]["name"] == ""

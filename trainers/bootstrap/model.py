@@ -1,0 +1,67 @@
+"""The base model's shape: a small Qwen2 decoder that transformers and vLLM both load natively."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# vLLM's CPU attention backend supports these head sizes only.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the self-built base model (ignored when `path` points at an existing HF folder)."""
+
+    path: str | None = None  # an existing Hugging Face folder to use instead of bootstrapping
+    vocab_size: int = 1024
+    hidden_size: int = 192
+    num_layers: int = 4
+    num_heads: int = 6
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    max_position_embeddings: int = 512
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "intermediate_size", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
+        if self.head_dim not in VLLM_CPU_HEAD_SIZES:
+            raise ValueError(f"hidden_size/num_heads = {self.head_dim}: vLLM's CPU attention needs one of "
+                             f"{VLLM_CPU_HEAD_SIZES}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+def build_model(cfg: ModelConfig, tokenizer, seed: int = 0):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+        initializer_range=cfg.init_std,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = None
+    return model
