@@ -1,0 +1,111 @@
+"""`serve(cfg, engine_cfg, model)`: vLLM's own OpenAI server, in-process, with Flywheel around it.
+
+    AsyncLLM ─▶ TracingEngine (gate, records) ─▶ vLLM's app (chat, completions, models, health,
+    tokenizer, errors) + FlywheelMiddleware (limits, 429, trace ids, trace rows)
+    + /v1/feedback, /admin/weights, /admin/status, and /metrics (vLLM's + ours)
+
+vLLM keeps every feature of its serving layer (tool parsers, structured outputs, streaming,
+`return_token_ids`, its error model); we only wrap the engine client it calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rollout.engine import EngineConfig
+from rollout.server.config import ServeConfig, vllm_cli_args
+from rollout.server.engine import TracingEngine, WeightState
+from rollout.server.metrics import FlywheelMetrics
+from rollout.server.routes import add_routes
+from rollout.server.middleware import FlywheelMiddleware
+from rollout.server.swap import HotSwapper, checkpoint_sha256
+from rollout.server.tracing import stack_fingerprint
+
+log = logging.getLogger("flywheel.server")
+
+
+@dataclass
+class ServerState:
+    cfg: ServeConfig
+    engine: TracingEngine
+    writer: object  # rollout.traces.TraceWriter
+    feedback: object  # rollout.traces.FeedbackStore
+    metrics: FlywheelMetrics
+    swapper: HotSwapper
+    stack: object  # StackFingerprint
+    speculator_version: str | None
+    admitted: int = 0
+
+
+def build_server_app(args, inner, cfg: ServeConfig, model: str, supported_tasks):
+    """vLLM's app on a `TracingEngine` around `inner`, plus Flywheel's routes and middleware."""
+    from vllm.entrypoints.launchers.app import build_app
+
+    from rollout.traces import FeedbackStore, TraceConfig, TraceWriter, register_metrics
+
+    metrics = FlywheelMetrics()
+    engine = TracingEngine(inner, WeightState(0, str(Path(model).resolve()), checkpoint_sha256(model)), metrics)
+    root = Path(cfg.trace_root)
+    writer = TraceWriter(TraceConfig(root=root, durability=cfg.trace_durability))
+    register_metrics(metrics.registry, writer)
+    spec = cfg.speculative
+    st = ServerState(cfg=cfg, engine=engine, writer=writer, feedback=FeedbackStore(root), metrics=metrics,
+                     swapper=HotSwapper(engine, cfg.canary_tolerance, cfg.drain_timeout_s, metrics),
+                     stack=stack_fingerprint(model),
+                     speculator_version=None if spec.method == "none" else
+                     f"{spec.method}:{spec.draft_model or f'{spec.ngram_min}-{spec.ngram_max}'}")
+    metrics.weight_version.set(0)
+    app = build_app(args, supported_tasks, inner.model_config)
+    add_routes(app, st)
+    from starlette.middleware import Middleware
+
+    # vLLM's build_app already built the middleware stack (add_middleware would refuse): insert
+    # ours as the outermost layer and let Starlette rebuild the stack on the first request.
+    app.user_middleware.insert(0, Middleware(FlywheelMiddleware, state=st))
+    app.middleware_stack = None
+    app.state.flywheel = st
+    return app, st
+
+
+async def _serve(cfg: ServeConfig, engine_cfg: EngineConfig, model: str) -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client_from_engine_args
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_cli_args(cfg, engine_cfg, model))
+    validate_parsed_serve_args(args)
+    listen_address, sock = setup_server(args, reuse_port=False)
+    async with build_async_engine_client_from_engine_args(AsyncEngineArgs.from_cli_args(args)) as inner:
+        tasks = await inner.get_supported_tasks()
+        app, st = build_server_app(args, inner, cfg, model, tasks)
+        await init_app_state(st.engine, app.state, args, tasks)
+        app.state.flywheel = st
+        t0 = time.perf_counter()
+        await st.swapper._reference(st.engine.weights.path, st.engine.weights.checkpoint_sha256)
+        log.info("canary reference ready in %.2f s; serving %s on %s", time.perf_counter() - t0, model,
+                 listen_address)
+        shutdown = await serve_http(app, sock=sock, host=args.host, port=args.port, log_level="warning",
+                                    access_log=False, timeout_keep_alive=5)
+    try:
+        await shutdown
+    finally:
+        sock.close()
+        await asyncio.to_thread(st.writer.close)
+        await asyncio.to_thread(st.feedback.close)
+
+
+def serve(cfg: ServeConfig, engine_cfg: EngineConfig, model: str) -> None:
+    """Run the server until SIGINT/SIGTERM (call from under `if __name__ == "__main__":`)."""
+    engine_cfg.apply_env()
+    os.environ.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0")
+    import uvloop
+
+    uvloop.run(_serve(cfg, engine_cfg, model))

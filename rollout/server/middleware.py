@@ -1,0 +1,181 @@
+"""The ASGI layer in front of vLLM's app: limits, overload, trace ids, one trace row per request.
+
+For the generation routes (`/v1/chat/completions`, `/v1/completions`) it
+- reads the body once (413 past `max_body_bytes`) and replays it to vLLM's handler;
+- answers 429 with `Retry-After` when `max_queue` requests are already admitted;
+- sets a `RequestContext` the `TracingEngine` fills, and sends `x-flywheel-trace-id` (and
+  `x-flywheel-weight-version`) with the response headers;
+- parses the response as it passes (non-streamed JSON, or the SSE chunks) into the assistant
+  message, and writes the trace row. In "commit" durability the final body chunk is held until
+  the row is fsynced, so a client that saw a complete response has a durable trace; in
+  "interval" durability nothing waits.
+Requests that fail (4xx/5xx) or are aborted by the client are traced too, with their status.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from datetime import datetime, timezone
+
+from rollout.server.engine import ACTIVE, RequestContext
+from rollout.server.output import OutputParser
+from rollout.server.tracing import build_traces
+
+log = logging.getLogger("flywheel.server")
+
+TRACED_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+def _json_response(status: int, message: str, err_type: str, headers: list | None = None):
+    body = json.dumps({"error": {"message": message, "type": err_type, "param": None, "code": status}}).encode()
+    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    return {"type": "http.response.start", "status": status, "headers": hdrs + (headers or [])}, \
+        {"type": "http.response.body", "body": body, "more_body": False}
+
+
+def _tool_schema_problem(body: bytes) -> str | None:
+    """vLLM accepts any `parameters` unless a tool is strict; reject ones that are no JSON Schema."""
+    if b'"tools"' not in body:
+        return None
+    try:
+        tools = json.loads(body).get("tools")
+    except (ValueError, AttributeError):
+        return None  # vLLM's validation answers malformed bodies
+    if not isinstance(tools, list):
+        return None
+    from jsonschema import Draft202012Validator, SchemaError
+
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        params = fn.get("parameters") if isinstance(fn, dict) else None
+        if params is None:
+            continue
+        if not isinstance(params, dict):
+            return f"tools[{i}].function.parameters must be a JSON Schema object"
+        try:
+            Draft202012Validator.check_schema(params)
+        except SchemaError as e:
+            return f"tools[{i}].function.parameters is not a valid JSON Schema: {e.message}"
+    return None
+
+
+def _replay(body: bytes, receive):
+    """A `receive` that yields the already-read body once, then the real channel (disconnects)."""
+    sent = [False]
+
+    async def replay():
+        if not sent[0]:
+            sent[0] = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+class FlywheelMiddleware:
+    def __init__(self, app, state):
+        self.app = app
+        self.state = state  # rollout.server.app.ServerState
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in TRACED_PATHS or scope["method"] != "POST":
+            if scope["type"] == "http" and scope.get("method") in ("POST", "PUT"):
+                return await self._limited(scope, receive, send)
+            return await self.app(scope, receive, send)
+        st = self.state
+        body = await self._read_body(receive, send)
+        if body is None:
+            return
+        if st.admitted >= st.cfg.max_queue:
+            st.metrics.rejected.inc()
+            start, end = _json_response(429, f"server is at its queue limit ({st.cfg.max_queue} requests); "
+                                        "retry later", "RateLimitError", [(b"retry-after", b"1")])
+            await send(start)
+            await send(end)
+            return
+        if (problem := _tool_schema_problem(body)) is not None:
+            start, end = _json_response(400, problem, "BadRequestError")
+            await send(start)
+            await send(end)
+            return
+        st.admitted += 1
+        try:
+            await self._traced(scope, body, receive, send, st)
+        finally:
+            st.admitted -= 1
+
+    async def _traced(self, scope, body: bytes, receive, send, st):
+        ctx = RequestContext(trace_id=uuid.uuid4().hex, created_at=datetime.now(timezone.utc), t0=time.perf_counter())
+        try:
+            req = json.loads(body) if body else None
+        except ValueError:
+            req = None
+        req = req if isinstance(req, dict) else {}
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        parser = OutputParser(chat=scope["path"].endswith("chat/completions"))
+        status_code = [0]
+        finished = [False]
+        trace_id_hdr = (b"x-flywheel-trace-id", ctx.trace_id.encode())
+
+        replay = _replay(body, receive)
+
+        async def record(final: bool):
+            traces = build_traces(ctx, req, headers, parser, status_code[0], st, aborted=not final)
+            for t in traces:
+                try:
+                    if final and st.writer.cfg.durability == "commit":
+                        await st.writer.append(t)
+                    else:
+                        st.writer.append_nowait(t)
+                except Exception:  # a trace that cannot be written must not fail the request
+                    log.exception("trace %s could not be written", t.trace_id)
+
+        async def send_wrapped(message):
+            if message["type"] == "http.response.start":
+                status_code[0] = message["status"]
+                message = dict(message)
+                message["headers"] = list(message.get("headers", [])) + [
+                    trace_id_hdr, (b"x-flywheel-weight-version", str(st.engine.weights.version).encode())]
+            elif message["type"] == "http.response.body":
+                parser.feed(message.get("body", b""))
+                if not message.get("more_body", False) and not finished[0]:
+                    finished[0] = True
+                    await record(final=True)
+            await send(message)
+
+        token = ACTIVE.set(ctx)
+        try:
+            await self.app(scope, replay, send_wrapped)
+        finally:
+            ACTIVE.reset(token)
+            if not finished[0]:  # the client went away, or the app raised before the last chunk
+                finished[0] = True
+                await record(final=False)
+
+    async def _read_body(self, receive, send) -> bytes | None:
+        limit = self.state.cfg.max_body_bytes
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                start, end = _json_response(413, f"request body exceeds {limit} bytes", "BadRequestError")
+                await send(start)
+                await send(end)
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _limited(self, scope, receive, send):
+        body = await self._read_body(receive, send)
+        if body is None:
+            return
+
+        await self.app(scope, _replay(body, receive), send)

@@ -1,0 +1,97 @@
+"""Flywheel's routes beside vLLM's: /metrics, POST /v1/feedback, GET /admin/status,
+POST /admin/flush, POST /admin/weights.
+
+The admin API takes `Authorization: Bearer <token>` (serve.admin_token, else the env var named by
+serve.admin_token_env): 401 without a bearer token, 403 with a wrong one (or when no token is
+configured: the admin API is then disabled).
+"""
+
+import asyncio
+import hmac
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from starlette.routing import Mount
+
+from rollout.server.swap import SwapError
+from rollout.traces import Feedback
+
+
+def add_routes(app, st) -> None:
+    """Replace vLLM's /metrics with ours (vLLM's + Flywheel's) and add feedback and admin routes."""
+    app.router.routes = [r for r in app.router.routes
+                         if not (isinstance(r, Mount) and r.path == "/metrics") and getattr(r, "path", "") != "/metrics"]
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        st.metrics.in_flight.set(st.engine.gate.in_flight)
+        return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def _err(status: int, message: str) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": "BadRequestError" if status < 500
+                                       else "InternalServerError", "code": status}}, status_code=status)
+
+    @app.post("/v1/feedback")
+    async def feedback(request: Request):
+        try:
+            body = await request.json()
+        except ValueError:
+            return _err(400, "body must be JSON: {trace_id, reward?, rating?, comment?, source?, episode_id?}")
+        if not isinstance(body, dict):
+            return _err(400, "body must be a JSON object")
+        allowed = {"trace_id", "reward", "rating", "comment", "source", "episode_id"}
+        if unknown := set(body) - allowed:
+            return _err(400, f"unknown fields {sorted(unknown)}; allowed: {sorted(allowed)}")
+        try:
+            fb = Feedback(**body)
+        except (TypeError, ValueError) as e:
+            return _err(400, str(e))
+        await st.feedback.append(fb)
+        return {"feedback_id": fb.feedback_id, "trace_id": fb.trace_id}
+
+    def _auth(request: Request) -> JSONResponse | None:
+        token = st.cfg.resolved_admin_token()
+        if token is None:
+            return _err(403, f"admin API disabled: set serve.admin_token or ${st.cfg.admin_token_env}")
+        header = request.headers.get("authorization", "")
+        if not header.lower().startswith("bearer "):
+            return JSONResponse({"error": {"message": "missing bearer token", "code": 401}}, status_code=401,
+                                headers={"www-authenticate": "Bearer"})
+        if not hmac.compare_digest(header[7:].strip().encode(), token.encode()):
+            return _err(403, "wrong admin token")
+        return None
+
+    @app.get("/admin/status")
+    async def admin_status(request: Request):
+        if (denied := _auth(request)) is not None:
+            return denied
+        w = st.engine.weights
+        return {"weight_version": w.version, "path": w.path, "checkpoint_sha256": w.checkpoint_sha256,
+                "in_flight": st.engine.gate.in_flight, "gate_open": st.engine.gate.is_open}
+
+    @app.post("/admin/flush")
+    async def admin_flush(request: Request):
+        """Block until every trace and feedback row so far is in a Parquet part (readable)."""
+        if (denied := _auth(request)) is not None:
+            return denied
+        await asyncio.to_thread(st.writer.flush)
+        await asyncio.to_thread(st.feedback.flush)
+        return {"flushed": True}
+
+    @app.post("/admin/weights")
+    async def admin_weights(request: Request):
+        if (denied := _auth(request)) is not None:
+            return denied
+        try:
+            body = await request.json()
+        except ValueError:
+            return _err(400, 'body must be JSON: {"path": "<checkpoint folder>"}')
+        if not isinstance(body, dict) or not isinstance(body.get("path"), str) or set(body) - {"path", "draft_path"}:
+            return _err(400, 'body must be {"path": "<checkpoint folder>"}')
+        if body.get("draft_path"):
+            return _err(400, "draft_path: swapping the draft model is not supported yet")
+        try:
+            result = await st.swapper.swap(body["path"])
+        except SwapError as e:
+            return _err(e.status, e.message)
+        return result.as_dict()
