@@ -40,11 +40,11 @@ MESSAGES = json.dumps([{"role": "system", "content": "You are helpful. " * 40},
 
 
 def make_trace(i: int, prompt_len: int = 512, completion_len: int = 128, weight_version: int = 1,
-               created_at: datetime | None = None) -> Trace:
+               created_at: datetime | None = None, messages: str = MESSAGES) -> Trace:
     return Trace(
         request_id=f"req-{i}", episode_id=f"ep-{i // 4}", turn=i % 4, model="tiny", weight_version=weight_version,
         checkpoint_sha256="ab" * 32, stack=STACK, sampling=SamplingInfo(temperature=1.0, max_tokens=completion_len),
-        messages=MESSAGES, prompt_token_ids=list(range(i, i + prompt_len)),
+        messages=messages, prompt_token_ids=list(range(i, i + prompt_len)),
         completion_token_ids=list(range(completion_len)), completion_logprobs=[-0.25] * completion_len,
         output=json.dumps({"content": "answer " * 30, "tool_calls": []}), finish_reason="stop",
         ttft_ms=12.0, e2e_ms=80.0, **({"created_at": created_at} if created_at else {}),
@@ -149,13 +149,15 @@ def bench_read(root: Path, rows: int) -> None:
     chunk = 50_000
     t0 = time.perf_counter()
     for start in range(0, rows, chunk):
-        batch = [make_trace(i, 32, 16, weight_version=i % 4, created_at=day + timedelta(days=i * 4 // rows))
-                 .to_row() for i in range(start, min(rows, start + chunk))]
+        batch = [make_trace(i, 32, 16, weight_version=i % 4, created_at=day + timedelta(days=i * 4 // rows),
+                            messages=f'[{{"role": "user", "content": "question {i}"}}]').to_row()
+                 for i in range(start, min(rows, start + chunk))]
         write_parts(pa.Table.from_pylist(batch, schema=TRACE_SCHEMA), table_dir=root / "read" / "traces",
                     tmp_dir=root, partition_cols=TRACE_PARTITION_COLS, seed=str(start), max_rows=chunk)
-    print(f"[read] wrote {rows} rows (32+16 tokens) in {time.perf_counter() - t0:.1f} s")
+    print(f"[read] wrote {rows} rows (32+16 tokens, 4 dates x 4 weight versions) in {time.perf_counter() - t0:.1f} s")
     for label, kwargs in (("all columns", {}), ("3 columns", {"columns": ["trace_id", "weight_version", "completion_logprobs"]}),
-                          ("weight_version=2", {"weight_versions": [2]})):
+                          ("weight_version=2", {"weight_versions": [2]}),
+                          ("1 date, 1 version", {"dates": ["2026-03-02"], "weight_versions": [2]})):
         t0 = time.perf_counter()
         n = read_traces(root / "read", **kwargs).num_rows
         dt = time.perf_counter() - t0
@@ -164,6 +166,7 @@ def bench_read(root: Path, rows: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", default="commit,interval", help="durability modes to measure ('' for none)")
     p.add_argument("--rates", default="200,1000", help="open-loop arrival rates, req/s")
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--read-rows", type=int, default=0)
@@ -171,7 +174,7 @@ def main() -> None:
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="trace-bench-", dir=args.root))
     try:
-        for durability in ("commit", "interval"):
+        for durability in filter(None, args.modes.split(",")):
             bench_mode(root, durability, [float(r) for r in args.rates.split(",")], args.clients)
         if args.read_rows:
             bench_read(root, args.read_rows)

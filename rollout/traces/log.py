@@ -26,6 +26,7 @@ removes the directory.
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import logging
 import os
@@ -115,6 +116,7 @@ class PartitionedLog:
         self._converter = threading.Thread(target=self._convert_loop, name=f"{name}-wal-convert", daemon=True)
         self._committer.start()
         self._converter.start()
+        atexit.register(self.close)  # an interpreter exit without close() still flushes
 
     # ---- start: own directory, adoption of dead writers' WALs ---------------------------------
     def _create_locked_dir(self, final: Path) -> int:
@@ -193,6 +195,7 @@ class PartitionedLog:
     def close(self) -> None:
         if self._lock_fd < 0:
             return
+        atexit.unregister(self.close)
         try:
             self.flush(final=True)
         finally:

@@ -72,3 +72,15 @@ def test_kill_9_in_interval_mode_loses_at_most_the_interval(tmp_path):
     assert len(old_enough) > 100
     lost = [tid for tid in old_enough if tid not in stored]
     assert not lost, f"{len(lost)} traces older than the interval lost"
+
+
+def test_interpreter_exit_without_close_flushes(tmp_path):
+    code = (
+        f"import sys; sys.path.insert(0, {str(CHILD.parent)!r}); from trace_child import make\n"
+        "from rollout.traces import TraceConfig, TraceWriter\n"
+        f"w = TraceWriter(TraceConfig(root={str(tmp_path)!r}, durability='interval', flush_interval_s=60))\n"
+        "for k in range(7): w.append_nowait(make(f'x{k}', k))\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert read_traces(tmp_path).num_rows == 7
+    assert not list((tmp_path / "_wal" / "traces").iterdir())
