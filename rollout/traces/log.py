@@ -184,7 +184,7 @@ class PartitionedLog:
         with self._cond:
             if self._closed:
                 return
-            self._closed = final
+            self._closed = final  # the final barrier is the last item ever queued
             self._pending.append((None, barrier))
             self._barriers += 1
             self._cond.notify()
