@@ -8,6 +8,8 @@ then either returns or `await writer.append(trace)`; the two variants run interl
 2. Closed loop: `clients` clients back to back, saturating the event loop: req/s with/without
    (the worst case: every microsecond of GIL the writer takes is a request not served).
 3. Append alone: `clients` tasks appending back to back; p50/p99 of `append`, traces/s.
+In commit mode a request waits for a group commit, so its added latency is about 1-2 fdatasyncs
+of the disk, printed first for reference.
 4. Optionally (--read-rows N): `read_traces` on N small rows.
 
     python bench/trace_writer.py [--rates 200,1000] [--clients 32] [--read-rows 1000000]
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import shutil
 import statistics
@@ -144,6 +147,20 @@ def bench_mode(root: Path, durability: str, rates: list[float], clients: int, ro
           f"{stats.parquet_parts_total} parts, {stats.wal_bytes_written_total / 2**20:.1f} MiB WAL")
 
 
+def disk_sync_latency(root: Path, n: int = 200) -> None:
+    """The floor of commit mode's added latency: a 6 KB append + fdatasync on this disk, every
+    5 ms like sparse traffic (back to back, some virtual disks answer much faster)."""
+    lat = []
+    with open(root / "sync-probe", "ab", buffering=0) as f:
+        for _ in range(n):
+            f.write(b"x" * 6000)
+            t0 = time.perf_counter()
+            os.fdatasync(f.fileno())
+            lat.append(time.perf_counter() - t0)
+            time.sleep(0.005)
+    print(f"[disk] 6 KB append + fdatasync every 5 ms: p50 {pct(lat, .5) * 1e3:.3f} ms  p99 {pct(lat, .99) * 1e3:.3f} ms")
+
+
 def bench_read(root: Path, rows: int) -> None:
     day = datetime(2026, 3, 1, tzinfo=timezone.utc)
     chunk = 50_000
@@ -174,6 +191,7 @@ def main() -> None:
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="trace-bench-", dir=args.root))
     try:
+        disk_sync_latency(root)
         for durability in filter(None, args.modes.split(",")):
             bench_mode(root, durability, [float(r) for r in args.rates.split(",")], args.clients)
         if args.read_rows:
