@@ -57,8 +57,13 @@ class Feedback:
             raise ValueError(f"rating must be an int, got {self.rating!r}")
         if self.rating is not None and not -(2**31) <= self.rating < 2**31:
             raise ValueError(f"rating out of int32 range: {self.rating}")
-        if not self.source:
-            raise ValueError("feedback needs a non-empty source")
+        if not isinstance(self.source, str) or not self.source:
+            raise ValueError("feedback needs a non-empty source string")
+        for name in ("episode_id", "comment"):
+            if not isinstance(getattr(self, name), (str, type(None))):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if not isinstance(self.created_at, datetime):
+            raise ValueError(f"created_at must be a datetime, got {self.created_at!r}")
         utc_date(self.created_at)  # rejects naive timestamps
 
     def to_row(self) -> dict[str, Any]:

@@ -79,6 +79,10 @@ def test_config_validates_itself(tmp_path, kwargs, field):
         (dict(trace_id="t1", rating=4.5), "rating must be an int"),
         (dict(trace_id="t1", rating=True), "rating must be an int"),
         (dict(trace_id="t1", reward=1.0, source=""), "source"),
+        (dict(trace_id="t1", reward=1.0, source=None), "source"),
+        (dict(trace_id="t1", reward=1.0, comment=5), "comment"),
+        (dict(trace_id=7, reward=1.0), "trace_id"),
+        (dict(trace_id="t1", reward="1.0"), "finite number"),
     ],
 )
 def test_bad_feedback_rejected(kwargs, message):
