@@ -62,8 +62,6 @@ class Feedback:
         for name in ("episode_id", "comment"):
             if not isinstance(getattr(self, name), (str, type(None))):
                 raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
-        if not isinstance(self.created_at, datetime):
-            raise ValueError(f"created_at must be a datetime, got {self.created_at!r}")
         utc_date(self.created_at)  # rejects naive timestamps
 
     def to_row(self) -> dict[str, Any]:

@@ -113,6 +113,8 @@ def new_id() -> str:
 
 def utc_date(ts: datetime) -> str:
     """The partition `date` of a timestamp: its UTC calendar date, "YYYY-MM-DD"."""
+    if not isinstance(ts, datetime):
+        raise ValueError(f"created_at must be a datetime, got {ts!r}")
     if ts.tzinfo is None or ts.utcoffset() is None:
         raise ValueError(f"timestamps must be timezone-aware, got naive {ts!r}")
     return ts.astimezone(timezone.utc).date().isoformat()
