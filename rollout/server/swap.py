@@ -29,7 +29,8 @@ from pathlib import Path
 from rollout.server.engine import TracingEngine, WeightState
 from rollout.server.tracing import quant_format
 
-MANIFEST = "flywheel_manifest.json"
+MANIFEST = "flywheel_manifest.json"  # the bootstrap's: files_sha256 {name: sha256}
+QUANT_MANIFEST = "quant_manifest.json"  # pipelines.quantize's: files {relative path: sha256}
 SHAPE_KEYS = ("architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -65,14 +66,15 @@ def check_folder(new: str | Path, current: str | Path) -> str:
         raise SwapError(400, f"{new}: not a Hugging Face folder (no config.json)")
     if not list(new.glob("*.safetensors")):
         raise SwapError(400, f"{new}: no *.safetensors weights")
-    manifest = new / MANIFEST
-    if manifest.is_file():
-        recorded = json.loads(manifest.read_text()).get("files_sha256") or {}
-        for name, digest in recorded.items():
-            if not (new / name).is_file():
-                raise SwapError(400, f"{new}: manifest lists {name}, which is missing")
-            if _sha(new / name) != digest:
-                raise SwapError(400, f"{new}: {name} does not match its manifest sha256")
+    recorded = {}
+    for manifest, key in ((new / MANIFEST, "files_sha256"), (new / QUANT_MANIFEST, "files")):
+        if manifest.is_file():
+            recorded.update(json.loads(manifest.read_text()).get(key) or {})
+    for name, digest in recorded.items():
+        if not (new / name).is_file():
+            raise SwapError(400, f"{new}: manifest lists {name}, which is missing")
+        if _sha(new / name) != digest:
+            raise SwapError(400, f"{new}: {name} does not match its manifest sha256")
     try:
         cn, cc = (json.loads((p / "config.json").read_text()) for p in (new, current))
     except ValueError as e:

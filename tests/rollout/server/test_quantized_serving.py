@@ -1,0 +1,49 @@
+"""A W4A16 compressed-tensors folder (the quantize pipeline's output) served, traced with its quant
+format, and hot-swapped in place to another W4A16 checkpoint, verified by the canary. One engine."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from srv_util import ServerProc, chat_messages, perturbed_copy
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def srv_w4a16(tiny_base, tmp_path_factory):
+    from kernels import QuantSpec
+    from pipelines.quantize import quantize_checkpoint
+
+    root = tmp_path_factory.mktemp("srv_w4a16")
+    spec = QuantSpec(weight_bits=4, group_size=32)
+    q1 = quantize_checkpoint(tiny_base.path, root / "q1", spec)
+    q2 = quantize_checkpoint(perturbed_copy(tiny_base.path, root / "fp2"), root / "q2", spec)
+    server = ServerProc(q1.path, root / "data", root / "server.log").wait_healthy()
+    try:
+        yield server, q1.path, q2.path, tiny_base.path
+    finally:
+        server.stop()
+
+
+def test_serves_a_w4a16_folder_and_hot_swaps_it(srv_w4a16):
+    server, q1, q2, full_precision = srv_w4a16
+    body = {"model": "flywheel", "messages": chat_messages(), "max_tokens": 16, "temperature": 0}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    row = server.trace(r.headers["x-flywheel-trace-id"])
+    assert row["stack"]["quant_format"] == "compressed-tensors-w4a16" and row["status"] == "ok"
+    assert len(row["completion_logprobs"]) == len(row["completion_token_ids"]) > 0
+
+    swap = server.admin("POST", "/admin/weights", json={"path": q2})
+    assert swap.status_code == 200, swap.text
+    assert swap.json()["weight_version"] == 1 and swap.json()["canary_mean_abs_dlogprob"] < 0.05
+    r2 = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r2.headers["x-flywheel-weight-version"] == "1"
+    row2 = server.trace(r2.headers["x-flywheel-trace-id"])
+    assert row2["weight_version"] == 1 and row2["checkpoint_sha256"] != row["checkpoint_sha256"]
+    assert row2["completion_logprobs"] != row["completion_logprobs"]  # other weights
+
+    # A full-precision folder cannot replace W4A16 layers in place.
+    bad = server.admin("POST", "/admin/weights", json={"path": full_precision})
+    assert bad.status_code == 409 and "quantization format" in bad.json()["error"]["message"]

@@ -1,0 +1,89 @@
+"""Speculative decoding with a draft model (a random 1-layer Qwen2 on the same tokenizer): greedy
+output equals the plain server's, draft/accepted counts reach the trace and /metrics. Then the
+same server is killed with SIGKILL: every trace of a request the client saw complete survives
+(the WAL is replayed by the next writer). One engine for both."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+from srv_util import ServerProc, chat_messages
+
+pytestmark = pytest.mark.slow
+
+
+def build_draft(base: str, dst: Path) -> Path:
+    from transformers import AutoTokenizer
+
+    from trainers.bootstrap.model import ModelConfig, build_model
+
+    tok = AutoTokenizer.from_pretrained(base)
+    model = build_model(ModelConfig(vocab_size=len(tok), hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                                    intermediate_size=128, max_position_embeddings=512), tok, seed=5)
+    model.save_pretrained(str(dst), safe_serialization=True)
+    for p in Path(base).iterdir():
+        if p.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(p, dst / p.name)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def srv_spec(tiny_base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("srv_spec")
+    draft = build_draft(tiny_base.path, root / "draft")
+    server = ServerProc(tiny_base.path, root / "data", root / "server.log",
+                        ["serve.speculative.method=draft", f"serve.speculative.draft_model={draft}",
+                         "serve.speculative.num_speculative_tokens=3"]).wait_healthy()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _greedy_chat(url: str, text: str) -> tuple[list[int], str]:
+    r = httpx.post(url + "/v1/chat/completions", json={
+        "model": "flywheel", "messages": chat_messages(text), "max_tokens": 32, "temperature": 0,
+        "return_token_ids": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"], r.headers["x-flywheel-trace-id"]
+
+
+def test_draft_speculation_keeps_greedy_output_and_counts_acceptance(srv_spec, srv_main, tiny_base):
+    status = srv_main.admin("GET", "/admin/status").json()
+    if Path(status["path"]) != Path(tiny_base.path).resolve():  # another test left other weights in
+        assert srv_main.admin("POST", "/admin/weights", json={"path": tiny_base.path}).status_code == 200
+    texts = ["Ann has 5 apples and buys 3 more. How many apples does Ann have?",
+             "A shop has 4 boxes of 6 pens and 3 loose pens. How many pens are there?"]
+    for text in texts:
+        spec_ids, trace_id = _greedy_chat(srv_spec.url, text)
+        plain_ids, _ = _greedy_chat(srv_main.url, text)
+        assert spec_ids == plain_ids
+        row = srv_spec.trace(trace_id)
+        assert row["spec_draft_tokens"] > 0 and 0 <= row["spec_accepted_tokens"] <= row["spec_draft_tokens"]
+        assert row["speculator_version"].startswith("draft:")
+    text = httpx.get(srv_spec.url + "/metrics").text
+    draft = [float(x.split()[-1]) for x in text.splitlines() if x.startswith("flywheel_spec_draft_tokens_total")]
+    assert draft and draft[0] > 0
+    assert "vllm:spec_decode_num_draft_tokens" in text
+
+
+def test_kill_9_loses_no_completed_request_trace(srv_spec):
+    from rollout.traces import TraceConfig, TraceWriter, read_traces
+
+    done = []
+    for i in range(8):
+        r = httpx.post(srv_spec.url + "/v1/completions", json={"model": "flywheel", "prompt": f"crash {i}",
+                                                                "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200
+        done.append(r.headers["x-flywheel-trace-id"])
+    os.killpg(srv_spec.proc.pid, signal.SIGKILL)
+    srv_spec.proc.wait(30)
+    with TraceWriter(TraceConfig(root=srv_spec.trace_root)):  # replays the WAL left by the crash
+        pass
+    ids = read_traces(srv_spec.trace_root).column("trace_id").to_pylist()
+    assert set(done) <= set(ids) and len(ids) == len(set(ids))
