@@ -62,6 +62,26 @@ def parse_assistant(text: str) -> dict:
     return {"role": "assistant", "content": content, "tool_calls": calls or None}
 
 
+CHATML_RE = re.compile(r"<\|im_start\|>(system|user|assistant)\n(.*?)(?:<\|im_end\|>|$)", re.DOTALL)
+TOOL_RESPONSE_RE = re.compile(r"^<tool_response>\n(.*)\n</tool_response>$", re.DOTALL)
+
+
+def chatml_to_messages(text: str) -> list[dict]:
+    """Parse a rendered conversation (as the model saw it) back into OpenAI messages; the inverse
+    of the chat template for what the task uses. The system prompt's tool list is dropped."""
+    out = []
+    for role, body in CHATML_RE.findall(text):
+        if role == "system":
+            out.append({"role": "system", "content": body.split("<tools>")[0].rstrip()})
+        elif role == "assistant":
+            out.append(parse_assistant(body))
+        elif (m := TOOL_RESPONSE_RE.match(body)):
+            out.append({"role": "tool", "content": m.group(1)})
+        else:
+            out.append({"role": "user", "content": body})
+    return out
+
+
 def tool_result_ids(tokenizer, result: str) -> list[int]:
     """Tokens that follow an assistant turn's `<|im_end|>`: the tool result and the next header."""
     text = f"\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"

@@ -50,3 +50,24 @@ def test_parse_assistant_hermes_format():
     assert parse_assistant("Answer: 4") == {"role": "assistant", "content": "Answer: 4", "tool_calls": None}
     bad = parse_assistant("<tool_call>{nope}</tool_call>")
     assert bad["tool_calls"][0]["function"]["name"] == ""
+
+
+def test_problem_from_question_inverts_every_template():
+    from rollout.task import problem_from_question
+
+    for p in make_problems("eval", 400, seed=5):
+        q = problem_from_question(p.question)
+        assert q is not None and q.answer == p.answer, p
+    assert problem_from_question("What is the meaning of life?") is None
+
+
+def test_chatml_round_trip(tiny_tokenizer):
+    from rollout.episode import chatml_to_messages
+    from rollout.task import TOOLS, problem_from_question
+
+    p = make_problems("eval", 1, seed=9)[0]
+    demo = demonstration(p)
+    msgs = chatml_to_messages(tiny_tokenizer.apply_chat_template(demo, tools=TOOLS, tokenize=False))
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant"]
+    assert msgs[0]["content"] == demo[0]["content"] and msgs[3]["content"] == demo[3]["content"]
+    assert reward(problem_from_question(msgs[1]["content"]), msgs) == 1.0
