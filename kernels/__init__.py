@@ -6,7 +6,7 @@ No `__version__` here: transformers probes for Hugging Face's `kernels` package 
 
 from kernels.ct_format import from_compressed, to_compressed
 from kernels.layers import quant_targets
-from kernels.linear import QuantizedLinear
+from kernels.linear import QuantizedLinear, compress_weight
 from kernels.ops import (dequantize, fake_quant, fake_quant_act, impl_for, int8_matmul, quantize,
                          quantize_act, w4a16_matmul, weight_qparams)
 from kernels.spec import QuantSpec
@@ -14,5 +14,5 @@ from kernels.spec import QuantSpec
 __all__ = [
     "QuantSpec", "QuantizedLinear", "impl_for", "quant_targets", "weight_qparams", "quantize",
     "dequantize", "fake_quant", "fake_quant_act", "quantize_act", "int8_matmul", "w4a16_matmul",
-    "to_compressed", "from_compressed",
+    "to_compressed", "from_compressed", "compress_weight",
 ]

@@ -14,6 +14,14 @@ from kernels import ct_format, ops
 from kernels.spec import QuantSpec
 
 
+def compress_weight(weight: torch.Tensor, spec: QuantSpec, impl: str | None = None
+                    ) -> dict[str, torch.Tensor]:
+    """weight [N, K] float -> its checkpoint tensors by local name (scales from the weight)."""
+    w = weight.detach()
+    scale, zp = ops.weight_qparams(w, spec, impl=impl)
+    return ct_format.to_compressed(ops.quantize(w, scale, zp, spec, impl=impl), scale, zp, spec)
+
+
 class QuantizedLinear(nn.Module):
     def __init__(self, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None, spec: QuantSpec,
                  in_features: int, out_features: int, impl: str | None = None):
@@ -28,10 +36,8 @@ class QuantizedLinear(nn.Module):
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, spec: QuantSpec,
                    impl: str | None = None) -> "QuantizedLinear":
         """weight [N, K] float -> the layer quantized with `spec` (scales from the weight)."""
-        w = weight.detach()
-        scale, zp = ops.weight_qparams(w, spec, impl=impl)
-        q = ops.quantize(w, scale, zp, spec, impl=impl)
-        return cls(ct_format.to_compressed(q, scale, zp, spec), bias, spec, w.shape[1], w.shape[0], impl)
+        n, k = weight.shape
+        return cls(compress_weight(weight, spec, impl), bias, spec, k, n, impl)
 
     def compressed_tensors(self) -> dict[str, torch.Tensor]:
         return {n: b for n, b in self.named_buffers(recurse=False)}

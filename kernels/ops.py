@@ -43,7 +43,8 @@ def _quant(impl, spec, device):
 
 def weight_qparams(w: torch.Tensor, spec: QuantSpec, *, impl: str | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """w [N, K] -> (scale [N, K//G] in w.dtype, zero_point int8 [N, K//G] or None). No grad."""
+    """w [N, K] -> (scale [N, K//G] in spec.scale_dtype or w.dtype, zero_point int8 [N, K//G] or None).
+    No grad."""
     with torch.no_grad():
         return _quant(impl, spec, w.device).weight_qparams(w.detach(), spec)
 

@@ -6,7 +6,7 @@ Every function here has a Triton twin of the same name and signature in `triton_
 to the requested dtype once, at the end.
 
 Shapes: a weight `w` is [N, K] (out_features, in_features). With G columns per group (G = K for
-per-channel) there are K // G groups: `scale` is [N, K // G] in the weight's dtype and
+per-channel) there are K // G groups: `scale` is [N, K // G] in the spec's scale dtype (default: the weight's) and
 `zero_point` is int8 [N, K // G] (None when symmetric). Activations `x` are [..., K]; their scale
 is float32 [..., 1].
 """
@@ -28,7 +28,7 @@ def _eps(dtype: torch.dtype) -> float:
 
 
 def weight_qparams(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """w [N, K] -> (scale [N, K//G] in w.dtype, zero_point int8 [N, K//G] or None)."""
+    """w [N, K] -> (scale [N, K//G] in spec's scale dtype, zero_point int8 [N, K//G] or None)."""
     wg = _groups(w, spec).float()
     lo, hi = torch.aminmax(wg, dim=-1)
     lo, hi = lo.clamp_(max=0.0), hi.clamp_(min=0.0)
@@ -37,13 +37,14 @@ def weight_qparams(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torc
         scale = torch.maximum(-lo, hi) / ((qmax - qmin) / 2)
     else:
         scale = (hi - lo) / (qmax - qmin)
-    stored = scale.to(w.dtype).float()
+    sdt = spec.scale_torch_dtype(w.dtype)
+    stored = scale.to(sdt).float()
     zero_point = None
     if not spec.symmetric:
         zp = torch.round((qmin - lo / stored).clamp_(qmin, qmax))
         zero_point = torch.where(stored == 0, 0.0, zp).to(torch.int8)
-    stored = torch.where(stored == 0, _eps(w.dtype), stored)
-    return stored.to(w.dtype), zero_point
+    stored = torch.where(stored == 0, _eps(sdt), stored)
+    return stored.to(sdt), zero_point
 
 
 def _scaled(w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,

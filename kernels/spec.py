@@ -24,9 +24,12 @@ Invariants (the math every implementation in kernels/ follows, and what vLLM com
 
 from dataclasses import asdict, dataclass
 
+import torch
+
 GRANULARITIES = ("group", "channel")
 ACTIVATIONS = ("none", "int8_dynamic_token")
 ROUNDINGS = ("half_even",)
+SCALE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class QuantSpec:
     group_size: int | None = 128
     activations: str = "none"
     rounding: str = "half_even"
+    scale_dtype: str | None = None
 
     def __post_init__(self):
         if self.weight_bits not in (4, 8):
@@ -57,6 +61,8 @@ class QuantSpec:
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {ROUNDINGS} (what vLLM's kernels do), "
                              f"got {self.rounding!r}")
+        if self.scale_dtype is not None and self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"scale_dtype must be None or one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
         if self.weight_bits == 4 and self.activations != "none":
             raise ValueError("activations must be 'none' with weight_bits=4: W4A8 is not a served format")
         if self.weight_bits == 8:
@@ -70,14 +76,18 @@ class QuantSpec:
                 raise ValueError("granularity must be 'channel' with weight_bits=8 (W8A8 int8)")
 
     @classmethod
-    def w4a16(cls, group_size: int | None = 128, symmetric: bool = True) -> "QuantSpec":
+    def w4a16(cls, group_size: int | None = 128, symmetric: bool = True,
+              scale_dtype: str | None = None) -> "QuantSpec":
         """group_size=None means per-channel."""
         granularity = "channel" if group_size is None else "group"
-        return cls(4, symmetric, granularity, group_size, "none")
+        return cls(4, symmetric, granularity, group_size, "none", scale_dtype=scale_dtype)
 
     @classmethod
-    def w8a8(cls) -> "QuantSpec":
-        return cls(8, True, "channel", None, "int8_dynamic_token")
+    def w8a8(cls, scale_dtype: str | None = None) -> "QuantSpec":
+        return cls(8, True, "channel", None, "int8_dynamic_token", scale_dtype=scale_dtype)
+
+    def scale_torch_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
+        return weight_dtype if self.scale_dtype is None else getattr(torch, self.scale_dtype)
 
     @property
     def qmin(self) -> int:

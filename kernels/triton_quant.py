@@ -183,11 +183,12 @@ def _layout(w: torch.Tensor, spec: QuantSpec) -> tuple[int, int, int, int, int, 
 def weight_qparams(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
     w = w.contiguous()
     n, k, g, ng, block_k, grid = _layout(w, spec)
-    scale = torch.empty((n, ng), dtype=w.dtype, device=w.device)
+    sdt = spec.scale_torch_dtype(w.dtype)
+    scale = torch.empty((n, ng), dtype=sdt, device=w.device)
     zp = None if spec.symmetric else torch.empty((n, ng), dtype=torch.int8, device=w.device)
     _qparams_kernel[grid](w, scale, scale if zp is None else zp, n, k, g, ng,
                           QMIN=spec.qmin, QMAX=spec.qmax, SYM=spec.symmetric,
-                          EPS=torch.finfo(w.dtype).eps, BLOCK_N=BLOCK_N, BLOCK_K=block_k, **_LAUNCH)
+                          EPS=torch.finfo(sdt).eps, BLOCK_N=BLOCK_N, BLOCK_K=block_k, **_LAUNCH)
     return scale, zp
 
 

@@ -25,12 +25,13 @@ WEIGHT_CASES = [
     (QuantSpec.w4a16(64), (7, 128), torch.bfloat16),
     (QuantSpec.w8a8(), (21, 77), torch.float32),
     (QuantSpec.w8a8(), (5, 300), torch.bfloat16),
+    (QuantSpec.w4a16(16, symmetric=False, scale_dtype="bfloat16"), (8, 48), torch.float32),
 ]
 
 
 def _case_id(case):
     spec, (n, k), dtype = case
-    return f"{spec.name}-g{spec.group_size}-{n}x{k}-{str(dtype)[6:]}"
+    return f"{spec.name}-g{spec.group_size}-{n}x{k}-{str(dtype)[6:]}-s{spec.scale_dtype}"
 
 
 @pytest.mark.parametrize("case", WEIGHT_CASES, ids=_case_id)

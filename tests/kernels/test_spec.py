@@ -24,6 +24,7 @@ def test_presets():
     ({"activations": "fp8"}, "activations"),
     ({"activations": "int8_dynamic_token"}, "activations"),        # W4A8 is not served
     ({"rounding": "stochastic"}, "rounding"),
+    ({"scale_dtype": "float8"}, "scale_dtype"),
     ({"weight_bits": 8, "granularity": "channel", "group_size": None}, "activations"),  # W8A16
     ({"weight_bits": 8, "granularity": "channel", "group_size": None,
       "activations": "int8_dynamic_token", "symmetric": False}, "symmetric"),
