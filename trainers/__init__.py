@@ -1,0 +1,3 @@
+from trainers.qat import quantize_
+
+__all__ = ["quantize_"]
