@@ -105,7 +105,9 @@ async def _serve(cfg: ServeConfig, engine_cfg: EngineConfig, model: str) -> None
 def serve(cfg: ServeConfig, engine_cfg: EngineConfig, model: str) -> None:
     """Run the server until SIGINT/SIGTERM (call from under `if __name__ == "__main__":`)."""
     engine_cfg.apply_env()
-    os.environ.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0")
+    # The hot-swap sends a function (swap.refresh_tied_head) to the workers over collective_rpc,
+    # which vLLM pickles only with this set. The RPC channel is local to the engine's processes.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     import uvloop
 
     uvloop.run(_serve(cfg, engine_cfg, model))

@@ -5,7 +5,9 @@ calls `engine_client.generate(...)`; we hand it this wrapper instead of the `Asy
 `generate` call:
 
 - waits at the `Gate` while a hot-swap holds it, then counts as in flight until its generator
-  closes, so a request never spans two weight versions (the swap drains them first);
+  closes, so a request never spans two weight versions (the swap drains them first). HTTP
+  requests are admitted earlier, by the middleware, for their whole life (headers included:
+  a stream's headers go out before its first generate step); their calls skip the gate;
 - forces `sampling_params.logprobs = 0` when the client asked for none: vLLM then returns the
   logprob of each sampled token, which the response serializers ignore (they read the
   request's `logprobs`, not the engine's), and the trace records it;
@@ -61,6 +63,7 @@ class RequestContext:
     created_at: datetime
     t0: float  # perf_counter at arrival
     records: list[GenRecord] = field(default_factory=list)
+    weights: "WeightState | None" = None  # set when the middleware admitted the whole request
 
 
 class Gate:
@@ -141,9 +144,10 @@ class TracingEngine:
         rec.top_k = -1 if sp.top_k in (0, None) else int(sp.top_k)
         rec.max_tokens = sp.max_tokens
         delta = sp.output_kind == RequestOutputKind.DELTA
-        async with self.gate.admit():
-            rec.weight_version = self.weights.version
-            rec.checkpoint_sha256 = self.weights.checkpoint_sha256
+        admitted = ctx is not None and ctx.weights is not None  # the HTTP request holds the gate
+        async with _nullcontext() if admitted else self.gate.admit():
+            weights = ctx.weights if admitted else self.weights
+            rec.weight_version, rec.checkpoint_sha256 = weights.version, weights.checkpoint_sha256
             try:
                 async for out in self.inner.generate(prompt, sampling_params, request_id, **kwargs):
                     _absorb(rec, out, delta)
@@ -157,6 +161,11 @@ class TracingEngine:
             finally:
                 if self.metrics is not None:
                     self.metrics.observe_record(rec)
+
+
+@asynccontextmanager
+async def _nullcontext():
+    yield
 
 
 def _absorb(rec: GenRecord, out, delta: bool) -> None:

@@ -3,6 +3,8 @@
 For the generation routes (`/v1/chat/completions`, `/v1/completions`) it
 - reads the body once (413 past `max_body_bytes`) and replays it to vLLM's handler;
 - answers 429 with `Retry-After` when `max_queue` requests are already admitted;
+- admits the request at the hot-swap `Gate` for its whole life (waiting while a swap runs), so
+  its weight version, header included, is fixed;
 - sets a `RequestContext` the `TracingEngine` fills, and sends `x-flywheel-trace-id` (and
   `x-flywheel-weight-version`) with the response headers;
 - parses the response as it passes (non-streamed JSON, or the SSE chunks) into the assistant
@@ -137,8 +139,9 @@ class FlywheelMiddleware:
             if message["type"] == "http.response.start":
                 status_code[0] = message["status"]
                 message = dict(message)
+                version = ctx.weights.version if ctx.weights else st.engine.weights.version
                 message["headers"] = list(message.get("headers", [])) + [
-                    trace_id_hdr, (b"x-flywheel-weight-version", str(st.engine.weights.version).encode())]
+                    trace_id_hdr, (b"x-flywheel-weight-version", str(version).encode())]
             elif message["type"] == "http.response.body":
                 parser.feed(message.get("body", b""))
                 if not message.get("more_body", False) and not finished[0]:
@@ -148,7 +151,9 @@ class FlywheelMiddleware:
 
         token = ACTIVE.set(ctx)
         try:
-            await self.app(scope, replay, send_wrapped)
+            async with st.engine.gate.admit():  # waits while a hot-swap runs; held to the last byte
+                ctx.weights = st.engine.weights
+                await self.app(scope, replay, send_wrapped)
         finally:
             ACTIVE.reset(token)
             if not finished[0]:  # the client went away, or the app raised before the last chunk

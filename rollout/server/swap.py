@@ -1,7 +1,7 @@
 """Hot-swap: load a new checkpoint folder into the running engine, verified, or keep the old one.
 
     check folder ─▶ reference canary logprobs ─▶ close gate, drain ─▶ reload_weights ─▶
-    reset prefix cache ─▶ canary (engine vs reference) ─▶ bump version ─▶ open gate
+    re-pack the tied lm_head ─▶ reset prefix cache ─▶ canary (engine vs reference) ─▶ bump version ─▶ open gate
 
 Invariants:
 - Nothing touches the engine until the folder passed its checks (files, manifest hashes, same
@@ -110,6 +110,29 @@ def reference_logprobs(folder: str | Path, ids: list[int]) -> list[float]:
     return lp.tolist()
 
 
+def refresh_tied_head(worker) -> bool:
+    """Runs in each vLLM worker after `reload_weights`. On the CPU a tied `lm_head` shares the
+    embedding's tensor but computes logits with a GEMM handle prepacked at load time
+    (`cpu_linear`); the reload updates the tensor and not the handle (the checkpoint has no
+    lm_head), so logits would keep the old weights. Re-run its post-load processing."""
+    model = worker.model_runner.model
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or getattr(head, "weight", None) is None:
+        return False
+    if head.weight.data_ptr() != embed.weight.data_ptr():
+        return False
+    head.quant_method.process_weights_after_loading(head)
+    return True
+
+
+async def reload_in_place(inner, path: str) -> None:
+    """vLLM's in-place reload, then what it misses (the tied head), then a prefix-cache reset."""
+    await inner.collective_rpc("reload_weights", kwargs={"weights_path": path})
+    await inner.collective_rpc(refresh_tied_head)
+    await inner.reset_prefix_cache()
+
+
 @dataclass
 class SwapResult:
     weight_version: int
@@ -188,8 +211,7 @@ class HotSwapper:
         drain_s = time.perf_counter() - t0
         try:
             t1 = time.perf_counter()
-            await eng.inner.collective_rpc("reload_weights", kwargs={"weights_path": path})
-            await eng.inner.reset_prefix_cache()
+            await reload_in_place(eng.inner, path)
             load_s = time.perf_counter() - t1
             t2 = time.perf_counter()
             err = await self.canary(expected)
@@ -207,8 +229,7 @@ class HotSwapper:
 
     async def _restore(self, old: WeightState, expected: list[float]) -> bool:
         try:
-            await self.engine.inner.collective_rpc("reload_weights", kwargs={"weights_path": old.path})
-            await self.engine.inner.reset_prefix_cache()
+            await reload_in_place(self.engine.inner, old.path)
             return await self.canary(expected) <= self.tolerance
         except Exception:
             return False

@@ -97,8 +97,9 @@ def build_traces(ctx: RequestContext, req: dict, headers: dict, parser: OutputPa
         episode_id=_episode(req, headers), turn=_turn(req, headers), e2e_ms=e2e_ms,
         speculator_version=st.speculator_version,
     )
-    records = ctx.records or [GenRecord(request_id=ctx.trace_id, weight_version=st.engine.weights.version,
-                                        checkpoint_sha256=st.engine.weights.checkpoint_sha256,
+    w = ctx.weights or st.engine.weights
+    records = ctx.records or [GenRecord(request_id=ctx.trace_id, weight_version=w.version,
+                                        checkpoint_sha256=w.checkpoint_sha256,
                                         temperature=float(req.get("temperature") or 0.0)
                                         if isinstance(req.get("temperature"), (int, float)) else 1.0,
                                         status="error")]
