@@ -1,0 +1,132 @@
+"""Rewards: plain functions of a logged episode, chosen by the config as "module:function".
+
+A reward function takes an `EpisodeRecord` (what the trace store knows about one episode: its
+exact tokens, their decoding as OpenAI messages, and the feedback rows joined to it) and returns
+a float, or None when it cannot judge the episode. It never sees a side table of answers: the
+demo task's `task_reward` recovers the problem from the user message (`problem_from_question`).
+
+Feedback (user ratings, environment rewards posted to `/v1/feedback`) combines with the
+function's value by `FeedbackMode`:
+    "ignore"   - the function's value only;
+    "override" - the latest feedback reward if the episode has one, else the function's value;
+    "mean"     - the mean of the function's value and the latest feedback reward, of those present.
+An episode for which the combination is None has a "missing reward" and is not trained on.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Literal
+
+from rollout.episode import chatml_to_messages
+from rollout.task import Problem, problem_from_question, reward as task_exact_reward
+from rollout.traces import Feedback
+
+FeedbackMode = Literal["ignore", "override", "mean"]
+FEEDBACK_MODES = ("ignore", "override", "mean")
+DEFAULT_REWARD_FN = "pipelines.rewards:task_reward"
+
+
+@dataclass(eq=False)
+class EpisodeRecord:
+    """One reassembled episode as a reward function sees it.
+
+    `input_ids` (n,) is the last turn's prompt + completion: every token of the episode.
+    `text` and `messages` decode it lazily (`decode` is the tokenizer's), so a reward that only
+    reads feedback never pays for decoding.
+    """
+
+    episode_id: str
+    trace_ids: tuple[str, ...]  # one per turn, in turn order
+    input_ids: list[int]
+    decode: Callable[[list[int]], str] = field(repr=False)
+    feedback: tuple[Feedback, ...] = ()  # oldest first
+
+    @cached_property
+    def text(self) -> str:
+        return self.decode(self.input_ids)
+
+    @cached_property
+    def messages(self) -> list[dict]:
+        """OpenAI messages parsed from `text` (system, user, assistant, tool, ...)."""
+        return chatml_to_messages(self.text)
+
+    @property
+    def feedback_reward(self) -> float | None:
+        """The latest feedback row's reward (rows with only a rating don't count)."""
+        rewards = [f.reward for f in self.feedback if f.reward is not None]
+        return rewards[-1] if rewards else None
+
+
+RewardFn = Callable[[EpisodeRecord], "float | None"]
+
+
+def episode_problem(ep: EpisodeRecord) -> Problem | None:
+    """The demo-task problem of an episode, from its first user message (None if none matches)."""
+    user = next((m for m in ep.messages if m["role"] == "user"), None)
+    return problem_from_question(user["content"]) if user else None
+
+
+def task_reward(ep: EpisodeRecord) -> float | None:
+    """The demo task's exact-answer reward; None when the question is no task problem.
+
+    1.0 iff one well-formed calculator call and then the correct answer (`rollout.task.reward`).
+    """
+    problem = episode_problem(ep)
+    if problem is None:
+        return None
+    return task_exact_reward(problem, ep.messages)
+
+
+def feedback_reward(ep: EpisodeRecord) -> float | None:
+    """Feedback only: the latest feedback reward, else None (for traffic with no task)."""
+    return ep.feedback_reward
+
+
+def task_ground_truth(ep: EpisodeRecord) -> str | None:
+    """The answer a verl reward function checks against (verl's `reward_model.ground_truth`)."""
+    problem = episode_problem(ep)
+    return None if problem is None else str(problem.answer)
+
+
+def load_fn(spec: str) -> Callable:
+    """Import "package.module:function" (verl's custom_reward_function style)."""
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"expected 'module:function', got {spec!r}")
+    fn = getattr(importlib.import_module(module), name, None)
+    if not callable(fn):
+        raise ValueError(f"{spec!r} is not a callable")
+    return fn
+
+
+def combine(fn_value: float | None, feedback: float | None, mode: FeedbackMode) -> float | None:
+    """The episode's reward from the function's value and the latest feedback reward.
+
+    >>> combine(1.0, 0.0, "override"), combine(1.0, None, "override"), combine(1.0, 0.0, "mean")
+    (0.0, 1.0, 0.5)
+    >>> combine(None, None, "mean") is None
+    True
+    """
+    if mode == "ignore":
+        return fn_value
+    if mode == "override":
+        return feedback if feedback is not None else fn_value
+    if mode == "mean":
+        present = [v for v in (fn_value, feedback) if v is not None]
+        return sum(present) / len(present) if present else None
+    raise ValueError(f"feedback mode must be one of {FEEDBACK_MODES}, got {mode!r}")
+
+
+def score(ep: EpisodeRecord, fn: RewardFn, mode: FeedbackMode) -> float | None:
+    """`combine` of `fn(ep)` and the feedback; `fn` is not called when feedback overrides it."""
+    fb = ep.feedback_reward
+    if mode == "override" and fb is not None:
+        return fb
+    value = fn(ep)
+    if value is not None:
+        value = float(value)
+    return combine(value, fb, mode)

@@ -1,0 +1,219 @@
+"""Traces (and feedback) of a window of dates and weight versions -> an RL dataset artifact.
+
+    manifest = build_dataset(DatasetConfig(trace_root=..., out_dir=..., tokenizer=...))
+
+read (columnar, partition-pruned) -> order episodes and drop bad rows -> per chunk of episodes:
+check alignment and build token arrays (vectorized, pipelines/dataset/assemble.py) -> reward
+each episode (a plain function, pipelines/rewards.py) -> split held-out by a salted hash ->
+write Parquet -> manifest. The dataset's columns are `DATASET_SCHEMA`; what was dropped, and
+why, is counted in the manifest.
+
+Invariants: the output directory appears atomically (built in a temporary sibling, then
+renamed), with `manifest.json` recording every file's sha256; the held-out split depends only on
+(seed, group id or episode id), so rebuilding a window, or a larger one, never moves an episode
+between train and held-out; an episode's tokens, mask and logprobs are exactly the logged ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+from collections import Counter, defaultdict
+from datetime import datetime, timezone
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pipelines.dataset.assemble import READ_COLUMNS, _ranges, assemble, drop_counts, first_prompts, order_episodes
+from pipelines.dataset.manifest import (DATASET_SCHEMA, DatasetConfig, RLDatasetManifest, TraceWindow,
+                                        load_manifest, save_manifest)
+from pipelines.rewards import EpisodeRecord, load_fn, score
+from rollout.traces import Feedback, read_feedback, read_traces
+
+__all__ = ["DATASET_SCHEMA", "DatasetConfig", "RLDatasetManifest", "build_dataset", "load_manifest"]
+
+SPLITS = ("train", "heldout")
+
+
+def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
+    t0 = time.perf_counter()
+    if cfg.out_dir.exists():
+        raise FileExistsError(f"out_dir {cfg.out_dir} exists; datasets are immutable, pick a new one")
+    from transformers import AutoTokenizer
+
+    decode = partial(AutoTokenizer.from_pretrained(cfg.tokenizer).decode, skip_special_tokens=False)
+    reward_fn = load_fn(cfg.reward_fn)
+
+    table = read_traces(cfg.trace_root, dates=cfg.dates, weight_versions=cfg.weight_versions, columns=READ_COLUMNS)
+    order = order_episodes(table.select([c for c in READ_COLUMNS if "token" not in c and "logprobs" not in c]),
+                           cfg.logprobs_mode)
+    ep_keys = pc.coalesce(table["episode_id"], table["trace_id"])
+    feedback = _feedback_by_episode(cfg, table["trace_id"], ep_keys)
+    versions = np.asarray(table["weight_version"], dtype=np.int64)
+    base = cfg.trainer_base_version if cfg.trainer_base_version is not None else int(versions.max(initial=0))
+
+    tmp = cfg.out_dir.with_name(f".{cfg.out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    writers = {s: _Writer(tmp / s / "part-00000.parquet") for s in SPLITS}
+    dropped_episodes = Counter()
+    groups: set[str] = set()
+    kept_versions: set[int] = set()
+    token_cols = table.select(["trace_id", "weight_version", "created_at", "prompt_token_ids",
+                               "completion_token_ids", "completion_logprobs"])
+    for e0, e1 in _chunks(order.starts, cfg.chunk_rows):
+        s0, s1 = order.starts[e0], order.starts[e1]
+        chunk = token_cols.take(order.rows[s0:s1])
+        starts = order.starts[e0:e1 + 1] - s0
+        tokens, bad = assemble(chunk, starts, order.bad[e0:e1].copy())
+        keys = ep_keys.take(order.rows[s0 + starts[tokens.episodes]]).to_pylist()
+        trace_ids = chunk["trace_id"]
+        rewards = np.full(len(keys), np.nan)
+        for k, key in enumerate(keys):
+            e = tokens.episodes[k]
+            ids = tokens.input_ids[tokens.offsets[k]:tokens.offsets[k + 1]].tolist()
+            record = EpisodeRecord(key, tuple(trace_ids.slice(starts[e], starts[e + 1] - starts[e]).to_pylist()),
+                                   ids, decode, tuple(feedback.get(key, ())))
+            r = score(record, reward_fn, cfg.feedback_mode)
+            if r is None:
+                bad[e] = "missing_reward"
+            else:
+                rewards[k] = r
+        dropped_episodes.update(drop_counts(bad))
+        rows = _episode_table(tokens, chunk, starts, keys, rewards, base)
+        rows = rows.filter(pa.array(~np.isnan(rewards)))
+        if rows.num_rows == 0:
+            continue
+        groups.update(rows["group_id"].to_pylist())
+        kept_versions.update(pc.unique(pc.list_flatten(rows["weight_versions"])).to_pylist())
+        unit = rows["group_id"] if cfg.heldout_unit == "group" else rows["episode_id"]
+        held = pa.array(heldout_mask(unit.to_pylist(), cfg.heldout_fraction, cfg.seed))
+        writers["train"].write(rows.filter(pc.invert(held)))
+        writers["heldout"].write(rows.filter(held))
+
+    counts = {s: w.close() for s, w in writers.items()}
+    files = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*.parquet"))}
+    manifest = RLDatasetManifest(
+        path=str(cfg.out_dir), parent=TraceWindow(str(cfg.trace_root), cfg.dates, cfg.weight_versions),
+        rows_read=table.num_rows, train_episodes=counts["train"], heldout_episodes=counts["heldout"],
+        groups=len(groups), dropped_rows={k: v for k, v in sorted(order.dropped_rows.items())},
+        dropped_episodes=dict(sorted(dropped_episodes.items())),
+        weight_versions=tuple(sorted(v for v in kept_versions if v >= 0)), trainer_base_version=base,
+        reward_fn=cfg.reward_fn, feedback_mode=cfg.feedback_mode, logprobs_mode=cfg.logprobs_mode,
+        heldout_fraction=float(cfg.heldout_fraction), heldout_unit=cfg.heldout_unit, seed=cfg.seed, files=files,
+        created_at=datetime.now(timezone.utc).isoformat(), build_seconds=round(time.perf_counter() - t0, 3),
+    )
+    save_manifest(manifest, tmp)
+    os.rename(tmp, cfg.out_dir)
+    return manifest
+
+
+def heldout_mask(keys: list[str], fraction: float, seed: int) -> list[bool]:
+    """Whether each key is held out: a salted 64-bit hash below `fraction` of its range.
+    Depends on (seed, key) only, so a key never changes side between rebuilds."""
+    cut = int(fraction * 2**64)
+    salt = str(seed).encode()
+    return [int.from_bytes(hashlib.blake2b(k.encode(), digest_size=8, key=salt).digest(), "little") < cut
+            for k in keys]
+
+
+def group_id(first_prompt: bytes) -> str:
+    """The GRPO group of an episode: a hash of turn 0's prompt token ids (int32 bytes)."""
+    return hashlib.blake2b(first_prompt, digest_size=8).hexdigest()
+
+
+def _episode_table(tokens, chunk: pa.Table, starts: np.ndarray, keys: list[str], rewards: np.ndarray,
+                   base: int) -> pa.Table:
+    eps = tokens.episodes
+    n_turns = (starts[eps + 1] - starts[eps]).astype(np.int32)
+    ver = np.asarray(chunk["weight_version"], dtype=np.int64)
+    min_ver = np.minimum.reduceat(ver, starts[:-1])[eps] if len(eps) else np.zeros(0, np.int64)
+    _, turn_rows = _ranges(starts[eps], n_turns.astype(np.int64))
+    trace_off = np.concatenate([[0], np.cumsum(n_turns)]).astype(np.int32)
+    off = pa.array(tokens.offsets.astype(np.int32))
+    return pa.table({
+        "episode_id": pa.array(keys, pa.string()),
+        "group_id": pa.array([group_id(b) for b in first_prompts(chunk, starts, eps)], pa.string()),
+        "trace_ids": pa.ListArray.from_arrays(pa.array(trace_off), chunk["trace_id"].take(turn_rows).combine_chunks()),
+        "num_turns": pa.array(n_turns),
+        "prompt_len": pa.array(tokens.first_prompt_len),
+        "input_ids": pa.ListArray.from_arrays(off, pa.array(tokens.input_ids)),
+        "assistant_mask": pa.ListArray.from_arrays(off, pa.array(tokens.assistant_mask)),
+        "behaviour_logprobs": pa.ListArray.from_arrays(off, pa.array(tokens.behaviour_logprobs)),
+        "weight_versions": pa.ListArray.from_arrays(off, pa.array(tokens.weight_versions)),
+        "reward": pa.array(rewards, pa.float64()),
+        "weight_version": pa.array(min_ver),
+        "version_lag": pa.array(base - min_ver),
+        "created_at": chunk["created_at"].take(starts[eps]),
+    }, schema=DATASET_SCHEMA)
+
+
+def _chunks(starts: np.ndarray, chunk_rows: int):
+    """(e0, e1) episode ranges of about `chunk_rows` rows each, never splitting an episode."""
+    n_ep = len(starts) - 1
+    e0 = 0
+    while e0 < n_ep:
+        e1 = int(np.searchsorted(starts, starts[e0] + chunk_rows, side="right")) - 1
+        e1 = min(max(e1, e0 + 1), n_ep)
+        yield e0, e1
+        e0 = e1
+
+
+def _feedback_by_episode(cfg: DatasetConfig, trace_ids: pa.ChunkedArray, ep_keys: pa.ChunkedArray
+                         ) -> dict[str, list[Feedback]]:
+    """Feedback rows of the window's episodes, oldest first, keyed by episode (a row's own
+    `episode_id`, else that of the trace it names). Feedback of any date counts."""
+    fb = read_feedback(cfg.trace_root, columns=["feedback_id", "trace_id", "episode_id", "reward", "rating",
+                                                "comment", "source", "created_at"])
+    if fb.num_rows == 0:
+        return {}
+    link = pa.table({"trace_id": trace_ids, "_ep": ep_keys})
+    fb = fb.join(link, "trace_id", join_type="left outer")
+    fb = fb.append_column("_key", pc.coalesce(fb["episode_id"], fb["_ep"]))
+    fb = fb.filter(pc.is_in(fb["_key"], value_set=pc.unique(ep_keys.combine_chunks())))
+    fb = fb.take(pc.sort_indices(fb, [("created_at", "ascending"), ("feedback_id", "ascending")]))
+    out: dict[str, list[Feedback]] = defaultdict(list)
+    for row in fb.to_pylist():
+        key = row.pop("_key")
+        row.pop("_ep")
+        out[key].append(Feedback(**row))
+    return out
+
+
+class _Writer:
+    """One Parquet file, opened on the first non-empty table (an empty split writes an empty file)."""
+
+    def __init__(self, path: Path):
+        self.path, self.rows, self._w = path, 0, None
+
+    def write(self, table: pa.Table) -> None:
+        if table.num_rows == 0:
+            return
+        if self._w is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._w = pq.ParquetWriter(self.path, DATASET_SCHEMA)
+        self._w.write_table(table)
+        self.rows += table.num_rows
+
+    def close(self) -> int:
+        if self._w is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            pq.write_table(DATASET_SCHEMA.empty_table(), self.path)
+        else:
+            self._w.close()
+        with open(self.path, "rb") as f:
+            os.fsync(f.fileno())
+        return self.rows
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

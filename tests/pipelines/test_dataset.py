@@ -1,0 +1,184 @@
+"""build_dataset on real episodes of the tiny model, logged as the server logs them, plus planted
+bad traces: kept episodes carry exactly the logged tokens and logprobs, masks cover exactly the
+sampled tokens, and every planted fault is dropped and counted under its reason."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace as retime
+from datetime import datetime, timedelta, timezone
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from pipelines.rewards import EpisodeRecord, task_reward
+from pipelines.traces_to_dataset import DatasetConfig, build_dataset, load_manifest
+from rollout.episode import prompt_ids
+from rollout.traces import Feedback, Trace
+
+T0 = datetime(2026, 12, 2, 12, 0, tzinfo=timezone.utc)  # the fixtures' trace time
+GROUPS, G = 2, 4
+
+
+def episode_length(ep: EpisodeRecord) -> float:
+    """A custom reward function (selected by "module:function" in the config): episode length."""
+    return float(len(ep.input_ids))
+
+
+def _rows(manifest, split=None) -> dict[str, dict]:
+    splits = [split] if split else ["train", "heldout"]
+    files = [f for s in splits for f in manifest.files_of(s)]
+    return {r["episode_id"]: r for f in files for r in pq.read_table(f).to_pylist()}
+
+
+def _check_exact(row: dict, traces: list[Trace]) -> None:
+    """The dataset row of an episode against the trace rows the server returned, turn by turn."""
+    last = traces[-1]
+    assert row["input_ids"] == last.prompt_token_ids + last.completion_token_ids
+    n = len(row["input_ids"])
+    mask, lps, vers = np.zeros(n, np.int8), np.zeros(n, np.float32), np.full(n, -1)
+    for t in traces:
+        s = len(t.prompt_token_ids)
+        assert row["input_ids"][s:s + len(t.completion_token_ids)] == t.completion_token_ids
+        mask[s:s + len(t.completion_token_ids)] = 1
+        lps[s:s + len(t.completion_token_ids)] = t.completion_logprobs
+        vers[s:s + len(t.completion_token_ids)] = t.weight_version
+    assert row["assistant_mask"] == mask.tolist()
+    assert row["behaviour_logprobs"] == lps.tolist()  # bit-exact float32
+    assert row["weight_versions"] == vers.tolist()
+    assert row["trace_ids"] == [t.trace_id for t in traces]
+    assert row["num_turns"] == len(traces) and row["prompt_len"] == len(traces[0].prompt_token_ids)
+
+
+def test_build_keeps_exact_tokens_and_counts_planted_faults(ds_episodes, ds_traces, ds_write, ds_tokenizer_path, tiny_tokenizer, tmp_path):
+    good = {eid: ds_traces(ep, eid) for eid, ep in ds_episodes}
+    two_turn = [eid for eid, ep in ds_episodes if len(ep.turns) == 2]
+    assert len(two_turn) >= 2, "the tiny model should call the calculator in most episodes"
+    src = good[two_turn[0]]
+    planted = []
+    # misaligned: turn 1's prompt does not extend turn 0's completion (one token changed)
+    bad = ds_traces(dict(ds_episodes)[two_turn[0]], "bad-misaligned")
+    p1 = list(bad[1].prompt_token_ids)
+    p1[len(bad[0].prompt_token_ids)] = (p1[len(bad[0].prompt_token_ids)] + 1) % 300
+    planted += [bad[0], retime(bad[1], prompt_token_ids=p1, trace_id="bad-misaligned-1")]
+    # missing reward: a question no task template matches, no feedback
+    chat = [{"role": "system", "content": "Use the calculator tool, then give the answer."},
+            {"role": "user", "content": "What is the capital of France?"}]
+    planted.append(retime(src[0], trace_id="no-reward-0", episode_id="bad-no-reward", turn=0,
+                          prompt_token_ids=prompt_ids(tiny_tokenizer, chat)))
+    # the same question with a feedback reward is kept, with that reward
+    planted.append(retime(src[0], trace_id="fb-0", episode_id="fb-episode", turn=0,
+                          prompt_token_ids=prompt_ids(tiny_tokenizer, chat)))
+    feedback = [Feedback(trace_id="fb-0", reward=0.25, source="user", created_at=T0),
+                Feedback(trace_id="fb-0", reward=0.75, source="user", created_at=T0 + timedelta(seconds=5))]
+    # duplicate trace: the same row written twice (e.g. a replayed WAL)
+    planted.append(retime(good[two_turn[1]][1]))
+    # a retried turn: an earlier attempt of the same (episode, turn), superseded by the logged one
+    planted.append(retime(good[two_turn[1]][0], trace_id="stale-attempt", created_at=T0 - timedelta(seconds=30),
+                          completion_token_ids=[5, 6], completion_logprobs=[-1.0, -2.0]))
+    # a failed request, a logprobs mode the trainer does not take, an episode missing turn 0
+    planted.append(retime(src[0], trace_id="err-0", episode_id="bad-error", status="error", error="boom",
+                          completion_token_ids=[], completion_logprobs=[]))
+    planted += ds_traces(dict(ds_episodes)[two_turn[0]], "bad-mode", logprobs_mode="processed_logprobs")
+    planted.append(retime(src[1], trace_id="gap-1", episode_id="bad-gap"))
+
+    root = tmp_path / "data"
+    ds_write(root, [t for ts in good.values() for t in ts] + planted, feedback)
+    cfg = DatasetConfig(trace_root=root, out_dir=tmp_path / "ds", tokenizer=ds_tokenizer_path, heldout_fraction=0.0)
+    m = build_dataset(cfg)
+
+    assert m.dropped_rows == {"duplicate_trace": 1, "duplicate_turn": 1, "status_not_ok": 1}
+    assert m.dropped_episodes == {"logprobs_mode": 1, "misaligned": 1, "missing_reward": 1, "missing_turn": 1}
+    assert m.train_episodes == GROUPS * G + 1 and m.heldout_episodes == 0 and m.groups == GROUPS + 1
+    assert load_manifest(tmp_path / "ds") == m
+    rows = _rows(m)
+    assert set(rows) == set(good) | {"fb-episode"}
+    for eid, ep in ds_episodes:
+        _check_exact(rows[eid], good[eid])
+        assert rows[eid]["reward"] == ep.reward  # task reward on decoded tokens == the episode's own
+        assert rows[eid]["weight_version"] == 0 and rows[eid]["version_lag"] == 0
+    assert rows["fb-episode"]["reward"] == 0.75  # latest feedback overrides (the task can't judge it)
+    groups = {}
+    for eid, ep in ds_episodes:
+        groups.setdefault(ep.problem.id, set()).add(rows[eid]["group_id"])
+    assert all(len(g) == 1 for g in groups.values()) and len(set.union(*groups.values())) == GROUPS
+
+    with pytest.raises(FileExistsError):
+        build_dataset(cfg)
+
+
+def test_hot_swap_between_turns_keeps_each_tokens_version(ds_episodes, ds_traces, ds_write, ds_tokenizer_path, tmp_path):
+    """Turn 0 served by v1, turn 1 by v2: both partitions, per-token versions, lag from the oldest."""
+    eid, ep = next((e, x) for e, x in ds_episodes if len(x.turns) == 2)
+    traces = ds_traces(ep, "swapped", versions=[1, 2])
+    ds_write(tmp_path / "data", traces)
+    m = build_dataset(DatasetConfig(trace_root=tmp_path / "data", out_dir=tmp_path / "ds",
+                                    tokenizer=ds_tokenizer_path, heldout_fraction=0.0, trainer_base_version=3))
+    row = _rows(m)["swapped"]
+    _check_exact(row, traces)
+    assert row["weight_version"] == 1 and row["version_lag"] == 2 and m.weight_versions == (1, 2)
+    # a window of v2 alone sees turn 1 without turn 0: not an episode
+    m2 = build_dataset(DatasetConfig(trace_root=tmp_path / "data", out_dir=tmp_path / "ds2", weight_versions=(2,),
+                                     tokenizer=ds_tokenizer_path))
+    assert m2.rows_read == 1 and m2.dropped_episodes == {"missing_turn": 1} and m2.kept_episodes == 0
+
+
+def test_heldout_is_by_group_and_stable_across_rebuilds(ds_episodes, ds_traces, ds_write, ds_tokenizer_path, tmp_path):
+    traces = []
+    for i in range(5):  # 5 copies of the batch, each a fresh set of episode ids: 10 groups of 4+
+        traces += [t for eid, ep in ds_episodes for t in ds_traces(ep, f"{i}-{eid}")]
+    # distinct groups need distinct turn-0 prompts: shift each copy's prompts by a prefix token
+    for t in traces:
+        i = int(t.episode_id.split("-")[0])
+        t.prompt_token_ids = [i + 10] + t.prompt_token_ids
+    ds_write(tmp_path / "data", traces)
+    splits = []
+    for k in range(2):
+        m = build_dataset(DatasetConfig(trace_root=tmp_path / "data", out_dir=tmp_path / f"ds{k}", seed=3,
+                                        tokenizer=ds_tokenizer_path, heldout_fraction=0.4,
+                                        reward_fn="pipelines.rewards:task_reward", feedback_mode="ignore"))
+        train, held = _rows(m, "train"), _rows(m, "heldout")
+        assert m.heldout_episodes == len(held) > 0 and m.train_episodes == len(train) > 0
+        assert not {r["group_id"] for r in train.values()} & {r["group_id"] for r in held.values()}
+        splits.append((set(train), set(held)))
+    assert splits[0] == splits[1]
+
+
+def test_reward_fn_and_feedback_mode_come_from_the_config(ds_episodes, ds_traces, ds_write, ds_tokenizer_path, tmp_path):
+    eid, ep = ds_episodes[0]
+    traces = ds_traces(ep, "e")
+    fb = [Feedback(trace_id=traces[-1].trace_id, episode_id="e", reward=0.5, source="user", created_at=T0)]
+    ds_write(tmp_path / "data", traces, fb)
+    got = {}
+    for mode in ("ignore", "override", "mean"):
+        m = build_dataset(DatasetConfig(trace_root=tmp_path / "data", out_dir=tmp_path / mode, feedback_mode=mode,
+                                        tokenizer=ds_tokenizer_path, heldout_fraction=0.0))
+        got[mode] = _rows(m)["e"]["reward"]
+    assert got == {"ignore": ep.reward, "override": 0.5, "mean": (ep.reward + 0.5) / 2}
+    m = build_dataset(DatasetConfig(trace_root=tmp_path / "data", out_dir=tmp_path / "len", feedback_mode="ignore",
+                                    tokenizer=ds_tokenizer_path, heldout_fraction=0.0,
+                                    reward_fn=f"{__name__}:episode_length"))
+    assert _rows(m)["e"]["reward"] == len(traces[-1].prompt_token_ids + traces[-1].completion_token_ids)
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(heldout_fraction=1.0), "heldout_fraction"), (dict(feedback_mode="max"), "feedback_mode"),
+    (dict(logprobs_mode="logits"), "logprobs_mode"), (dict(reward_fn="pipelines.rewards"), "reward_fn"),
+    (dict(reward_fn="pipelines.rewards:nope"), "reward_fn"), (dict(dates=("2026-13-01",)), "dates"),
+    (dict(weight_versions=(-1,)), "weight_versions"), (dict(trainer_base_version=-2), "trainer_base_version"),
+    (dict(heldout_unit="row"), "heldout_unit"), (dict(chunk_rows=0), "chunk_rows"),
+])
+def test_config_names_the_bad_field(change, field, tmp_path):
+    with pytest.raises(ValueError, match=field):
+        DatasetConfig(**{"trace_root": tmp_path, "out_dir": tmp_path / "o", "tokenizer": "t", **change})
+
+
+def test_task_reward_reads_the_decoded_episode(ds_episodes, tiny_tokenizer):
+    for eid, ep in ds_episodes:
+        last = ep.turns[-1]
+        ids = last.prompt_ids + last.completion.token_ids
+        rec = EpisodeRecord(eid, (), ids, lambda x: tiny_tokenizer.decode(x, skip_special_tokens=False))
+        assert task_reward(rec) == ep.reward
+        assert [m["role"] for m in rec.messages][:2] == ["system", "user"]
+        assert json.dumps(rec.messages)
