@@ -89,7 +89,7 @@ def test_cpu_training_path_speed():
     w = torch.randn(4096, 4096, requires_grad=True)
     grad = torch.ones(4096, 4096)
     best = float("inf")
-    for _ in range(3):
+    for _ in range(5):  # best of 5: the machine is shared
         t = time.perf_counter()
         s, z = weight_qparams(w, spec)
         fake_quant(w, s, z, spec).backward(grad)
