@@ -104,6 +104,12 @@ async def _serve(cfg: ServeConfig, engine_cfg: EngineConfig, model: str) -> None
 
 def serve(cfg: ServeConfig, engine_cfg: EngineConfig, model: str) -> None:
     """Run the server until SIGINT/SIGTERM (call from under `if __name__ == "__main__":`)."""
+    from rollout.server.tracing import quant_format
+
+    fmt = quant_format(model)
+    if fmt.endswith("a16") and fmt != "none" and engine_cfg.dtype == "float32":
+        raise ValueError(f"{model} is {fmt}: vLLM's CPU W4A16 kernel has no float32 path; "
+                         "set engine.dtype=bfloat16 (or float16)")
     engine_cfg.apply_env()
     # The hot-swap sends a function (swap.refresh_tied_head) to the workers over collective_rpc,
     # which vLLM pickles only with this set. The RPC channel is local to the engine's processes.
