@@ -6,9 +6,9 @@ Every function here has a Triton twin of the same name and signature in `triton_
 to the requested dtype once, at the end.
 
 Shapes: a weight `w` is [N, K] (out_features, in_features). With G columns per group (G = K for
-per-channel) there are K // G groups: `scale` is [N, K // G] in the spec's scale dtype (default: the weight's) and
-`zero_point` is int8 [N, K // G] (None when symmetric). Activations `x` are [..., K]; their scale
-is float32 [..., 1].
+per-channel) there are K // G groups: `scale` is [N, K // G] in the spec's scale dtype (default:
+the weight's) and `zero_point` is int8 [N, K // G] (None when symmetric). Activations `x` are
+[..., K]; their scale is float32 [..., 1].
 """
 
 import torch

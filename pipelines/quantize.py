@@ -116,7 +116,7 @@ def _finish(tmp: Path, dst: Path, config: dict, spec: QuantSpec, quantized: list
     config[QUANTIZATION_CONFIG_NAME] = quantization_config(spec, ignore)
     (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     files = tuple(sorted((p.relative_to(tmp).as_posix(), _sha256(p)) for p in tmp.rglob("*") if p.is_file()))
-    manifest = QuantizedCheckpoint(str(dst), spec, spec.format, tuple(quantized), tuple(ignore), files, parent)
+    manifest = QuantizedCheckpoint(str(dst.resolve()), spec, spec.format, tuple(quantized), tuple(ignore), files, parent)
     (tmp / MANIFEST_NAME).write_text(json.dumps(manifest.to_dict(), indent=2) + "\n")
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
@@ -149,8 +149,17 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, spec: QuantSpec, *,
         raise ValueError(f"src holds no *.safetensors files: {src}")
     model = _meta_model(AutoConfig.from_pretrained(src))
     targets = quant_targets(model, full_precision)
-    pending, weight_map = set(targets), {}
     tmp = _staging(dst, overwrite)
+    try:
+        return _requantize(src, tmp, dst, shards, model, targets, spec, impl, parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _requantize(src: Path, tmp: Path, dst: Path, shards: list[Path], model: nn.Module, targets: list[str],
+                spec: QuantSpec, impl: str | None, parent: str | None) -> QuantizedCheckpoint:
+    pending, weight_map, total = set(targets), {}, 0
     for shard in shards:
         out = {}
         with safe_open(shard, framework="pt") as f:
@@ -164,12 +173,11 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, spec: QuantSpec, *,
                     out[key] = f.get_tensor(key)
         save_file(out, tmp / shard.name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(out, shard.name))
+        total += sum(t.numel() * t.element_size() for t in out.values())
     if pending:
-        shutil.rmtree(tmp)
         raise ValueError(f"no weight tensor found in {src} for layers {sorted(pending)}")
     if (src / "model.safetensors.index.json").exists():
-        size = sum((tmp / s.name).stat().st_size for s in shards)
-        index = {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     _copy_side_files(src, tmp)
     config = json.loads((src / "config.json").read_text())
@@ -202,11 +210,16 @@ def save_quantized(model: nn.Module, dst: str | Path, spec: QuantSpec, *,
             continue
         seen.add(ident)
         state[key] = t.detach().contiguous().cpu()
-    tmp = _staging(dst, overwrite)
-    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-    if tokenizer_from is not None:
-        _copy_side_files(Path(tokenizer_from), tmp)
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(tmp)
     config = json.loads(model.config.to_json_string(use_diff=False))
-    return _finish(tmp, dst, config, spec, quantized, ignore_list(model, quantized), parent)
+    config["architectures"] = config.get("architectures") or [type(model).__name__]  # vLLM needs it
+    tmp = _staging(dst, overwrite)
+    try:
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        if tokenizer_from is not None:
+            _copy_side_files(Path(tokenizer_from), tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        return _finish(tmp, dst, config, spec, quantized, ignore_list(model, quantized), parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -18,6 +18,7 @@ explicitly.
 """
 import copy
 import gc
+import hashlib
 import json
 import os
 from contextlib import contextmanager
@@ -168,12 +169,12 @@ def test_format_manifest_and_transformers_load(kq_tiny_src, tmp_path):
     files = dict(man.files)
     assert {"tokenizer_config.json", "chat_template.jinja", "model.safetensors.index.json"} <= set(files)
     assert len([f for f in files if f.endswith(".safetensors")]) > 1
-    from pipelines.quantize import _sha256
-    assert all(_sha256(tmp_path / "w4" / f) == h for f, h in files.items())
+    assert all(hashlib.sha256((tmp_path / "w4" / f).read_bytes()).hexdigest() == h for f, h in files.items())
     with pytest.raises(FileExistsError):
         quantize_checkpoint(kq_tiny_src, tmp_path / "w4", spec)
     with pytest.raises(ValueError, match="fused"):
-        quantize_checkpoint(kq_tiny_src, tmp_path / "bad", spec, full_precision=["model.layers.0.self_attn.q_proj"])
+        quantize_checkpoint(kq_tiny_src, tmp_path / "bad", spec, full_precision=["model.layers.0.self_attn.k_proj"])
+    assert not list(tmp_path.glob(".bad*")) and not (tmp_path / "bad").exists()
 
     # transformers + compressed-tensors decompress our folder to exactly the fake-quant weights.
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "w4", dtype=torch.float32)
