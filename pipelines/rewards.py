@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Literal
 
 from rollout.episode import chatml_to_messages
@@ -64,10 +64,14 @@ class EpisodeRecord:
 RewardFn = Callable[[EpisodeRecord], "float | None"]
 
 
+# GRPO samples each question G times: parse it once (Problem is frozen, so sharing is safe)
+_problem_of = lru_cache(maxsize=1 << 16)(problem_from_question)
+
+
 def episode_problem(ep: EpisodeRecord) -> Problem | None:
     """The demo-task problem of an episode, from its first user message (None if none matches)."""
     user = next((m for m in ep.messages if m["role"] == "user"), None)
-    return problem_from_question(user["content"]) if user else None
+    return _problem_of(user["content"]) if user else None
 
 
 def task_reward(ep: EpisodeRecord) -> float | None:

@@ -30,7 +30,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipelines.dataset.assemble import READ_COLUMNS, _ranges, assemble, drop_counts, first_prompts, order_episodes
+from pipelines.dataset.assemble import (READ_COLUMNS, EpisodeTokens, TokenColumns, _ranges, assemble, drop_counts,
+                                       first_prompts, order_episodes)
 from pipelines.dataset.manifest import (DATASET_SCHEMA, DatasetConfig, RLDatasetManifest, TraceWindow,
                                         load_manifest, save_manifest)
 from pipelines.rewards import EpisodeRecord, load_fn, score
@@ -47,7 +48,8 @@ def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
         raise FileExistsError(f"out_dir {cfg.out_dir} exists; datasets are immutable, pick a new one")
     from transformers import AutoTokenizer
 
-    decode = partial(AutoTokenizer.from_pretrained(cfg.tokenizer).decode, skip_special_tokens=False)
+    # the Rust tokenizer's decode: transformers' wrapper type-checks every id (~3x the cost)
+    decode = partial(AutoTokenizer.from_pretrained(cfg.tokenizer).backend_tokenizer.decode, skip_special_tokens=False)
     reward_fn = load_fn(cfg.reward_fn)
 
     table = read_traces(cfg.trace_root, dates=cfg.dates, weight_versions=cfg.weight_versions, columns=READ_COLUMNS)
@@ -64,37 +66,38 @@ def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
     dropped_episodes = Counter()
     groups: set[str] = set()
     kept_versions: set[int] = set()
-    token_cols = table.select(["trace_id", "weight_version", "created_at", "prompt_token_ids",
-                               "completion_token_ids", "completion_logprobs"])
+    cols = TokenColumns.of(table)
+    trace_ids, created_at = table["trace_id"], table["created_at"]
     for e0, e1 in _chunks(order.starts, cfg.chunk_rows):
-        s0, s1 = order.starts[e0], order.starts[e1]
-        chunk = token_cols.take(order.rows[s0:s1])
-        starts = order.starts[e0:e1 + 1] - s0
-        tokens, bad = assemble(chunk, starts, order.bad[e0:e1].copy())
-        keys = ep_keys.take(order.rows[s0 + starts[tokens.episodes]]).to_pylist()
-        trace_ids = chunk["trace_id"]
-        rewards = np.full(len(keys), np.nan)
-        for k, key in enumerate(keys):
-            e = tokens.episodes[k]
-            ids = tokens.input_ids[tokens.offsets[k]:tokens.offsets[k + 1]].tolist()
-            record = EpisodeRecord(key, tuple(trace_ids.slice(starts[e], starts[e + 1] - starts[e]).to_pylist()),
-                                   ids, decode, tuple(feedback.get(key, ())))
+        rows = order.rows[order.starts[e0]:order.starts[e1]]
+        starts = order.starts[e0:e1 + 1] - order.starts[e0]
+        bad = order.bad[e0:e1].copy()
+        tokens = assemble(cols, rows, starts, bad)
+        eps = tokens.episodes
+        keys = ep_keys.take(rows[starts[eps]]).to_pylist()
+        ids = trace_ids.take(rows).to_pylist()
+        rewards = np.full(len(eps), np.nan)
+        for k, (key, e) in enumerate(zip(keys, eps.tolist())):
+            record = EpisodeRecord(key, tuple(ids[starts[e]:starts[e + 1]]),
+                                   tokens.input_ids[tokens.offsets[k]:tokens.offsets[k + 1]].tolist(), decode,
+                                   tuple(feedback.get(key, ())))
             r = score(record, reward_fn, cfg.feedback_mode)
             if r is None:
                 bad[e] = "missing_reward"
             else:
                 rewards[k] = r
         dropped_episodes.update(drop_counts(bad))
-        rows = _episode_table(tokens, chunk, starts, keys, rewards, base)
-        rows = rows.filter(pa.array(~np.isnan(rewards)))
-        if rows.num_rows == 0:
+        out = _episode_table(tokens, cols, rows, starts, keys, ids, created_at, rewards, base)
+        out = out.filter(pa.array(~np.isnan(rewards)))
+        if out.num_rows == 0:
             continue
-        groups.update(rows["group_id"].to_pylist())
-        kept_versions.update(pc.unique(pc.list_flatten(rows["weight_versions"])).to_pylist())
-        unit = rows["group_id"] if cfg.heldout_unit == "group" else rows["episode_id"]
+        groups.update(out["group_id"].to_pylist())
+        rewarded = starts[eps[~np.isnan(rewards)]]
+        kept_versions.update(np.unique(cols.weight_version[rows[_ranges(rewarded, np.diff(starts)[eps[~np.isnan(rewards)]])]]).tolist())
+        unit = out["group_id"] if cfg.heldout_unit == "group" else out["episode_id"]
         held = pa.array(heldout_mask(unit.to_pylist(), cfg.heldout_fraction, cfg.seed))
-        writers["train"].write(rows.filter(pc.invert(held)))
-        writers["heldout"].write(rows.filter(held))
+        writers["train"].write(out.filter(pc.invert(held)))
+        writers["heldout"].write(out.filter(held))
 
     counts = {s: w.close() for s, w in writers.items()}
     files = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*.parquet"))}
@@ -127,19 +130,21 @@ def group_id(first_prompt: bytes) -> str:
     return hashlib.blake2b(first_prompt, digest_size=8).hexdigest()
 
 
-def _episode_table(tokens, chunk: pa.Table, starts: np.ndarray, keys: list[str], rewards: np.ndarray,
+def _episode_table(tokens: EpisodeTokens, cols: TokenColumns, rows: np.ndarray, starts: np.ndarray,
+                   keys: list[str], trace_ids: list[str], created_at: pa.ChunkedArray, rewards: np.ndarray,
                    base: int) -> pa.Table:
+    """`DATASET_SCHEMA` rows of the kept episodes of a chunk (`rows`: its sorted table rows)."""
     eps = tokens.episodes
     n_turns = (starts[eps + 1] - starts[eps]).astype(np.int32)
-    ver = np.asarray(chunk["weight_version"], dtype=np.int64)
+    ver = cols.weight_version[rows]
     min_ver = np.minimum.reduceat(ver, starts[:-1])[eps] if len(eps) else np.zeros(0, np.int64)
-    _, turn_rows = _ranges(starts[eps], n_turns.astype(np.int64))
-    trace_off = np.concatenate([[0], np.cumsum(n_turns)]).astype(np.int32)
+    turn_pos = _ranges(starts[eps], n_turns.astype(np.int64))
     off = pa.array(tokens.offsets.astype(np.int32))
     return pa.table({
         "episode_id": pa.array(keys, pa.string()),
-        "group_id": pa.array([group_id(b) for b in first_prompts(chunk, starts, eps)], pa.string()),
-        "trace_ids": pa.ListArray.from_arrays(pa.array(trace_off), chunk["trace_id"].take(turn_rows).combine_chunks()),
+        "group_id": pa.array([group_id(b) for b in first_prompts(cols, rows[starts[eps]])], pa.string()),
+        "trace_ids": pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(n_turns)]).astype(np.int32)),
+                                              pa.array([trace_ids[p] for p in turn_pos.tolist()], pa.string())),
         "num_turns": pa.array(n_turns),
         "prompt_len": pa.array(tokens.first_prompt_len),
         "input_ids": pa.ListArray.from_arrays(off, pa.array(tokens.input_ids)),
@@ -149,7 +154,7 @@ def _episode_table(tokens, chunk: pa.Table, starts: np.ndarray, keys: list[str],
         "reward": pa.array(rewards, pa.float64()),
         "weight_version": pa.array(min_ver),
         "version_lag": pa.array(base - min_ver),
-        "created_at": chunk["created_at"].take(starts[eps]),
+        "created_at": created_at.take(rows[starts[eps]]),
     }, schema=DATASET_SCHEMA)
 
 
@@ -196,7 +201,8 @@ class _Writer:
             return
         if self._w is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._w = pq.ParquetWriter(self.path, DATASET_SCHEMA)
+            # token lists don't dictionary-encode usefully; trying costs a third of the write
+            self._w = pq.ParquetWriter(self.path, DATASET_SCHEMA, use_dictionary=["group_id"])
         self._w.write_table(table)
         self.rows += table.num_rows
 

@@ -88,6 +88,27 @@ def order_episodes(meta: pa.Table, logprobs_mode: str) -> EpisodeOrder:
 
 
 @dataclass
+class TokenColumns:
+    """The token columns of a whole trace table as flat arrays: row r's prompt is
+    `prompt[prompt_off[r]:prompt_off[r + 1]]`, and likewise for completions and logprobs."""
+
+    prompt: np.ndarray  # int32
+    prompt_off: np.ndarray  # (R+1,) int64
+    completion: np.ndarray  # int32
+    completion_off: np.ndarray
+    logprobs: np.ndarray  # float32
+    logprobs_off: np.ndarray
+    weight_version: np.ndarray  # (R,) int64
+
+    @classmethod
+    def of(cls, table: pa.Table) -> "TokenColumns":
+        P, P_off = _flat(table["prompt_token_ids"], np.int32)
+        C, C_off = _flat(table["completion_token_ids"], np.int32)
+        L, L_off = _flat(table["completion_logprobs"], np.float32)
+        return cls(P, P_off, C, C_off, L, L_off, np.asarray(table["weight_version"], dtype=np.int64))
+
+
+@dataclass
 class EpisodeTokens:
     """Token arrays of K kept episodes (of one chunk), flat with offsets.
 
@@ -105,94 +126,81 @@ class EpisodeTokens:
     first_prompt_len: np.ndarray
 
 
-def _flat(col: pa.ChunkedArray | pa.Array, dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(values, offsets (n+1,), lengths (n,)) of a list column; nulls count as empty lists."""
+def _flat(col: pa.ChunkedArray | pa.Array, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(values, offsets (n+1,)) of a list column; a null list counts as empty."""
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks()
     lengths = np.asarray(pc.list_value_length(col).fill_null(0), dtype=np.int64)
     values = np.asarray(pc.list_flatten(col), dtype=dtype)
-    return values, np.concatenate([[0], np.cumsum(lengths)]), lengths
+    return values, np.concatenate([[0], np.cumsum(lengths)])
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenated aranges: (owner (T,), starts[owner] + i for i < lengths[owner])."""
-    owner = np.repeat(np.arange(len(lengths)), lengths)
-    base = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else np.zeros(0, np.int64)
-    within = np.arange(len(owner)) - base[owner]
-    return owner, starts[owner] + within
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated aranges: starts[0] + (0..lengths[0]-1), starts[1] + (0..lengths[1]-1), ..."""
+    base = np.cumsum(lengths) - lengths
+    return np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(starts - base, lengths)
 
 
-def assemble(chunk: pa.Table, starts: np.ndarray, bad: np.ndarray) -> tuple[EpisodeTokens, np.ndarray]:
-    """Check alignment and build token arrays for the episodes of `chunk`.
+def _owners(lengths: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Which range of `_ranges(_, lengths)` each flat position falls in."""
+    return np.searchsorted(np.cumsum(lengths), positions, side="right")
 
-    `chunk` holds the rows of some episodes in sorted order (episode e: rows [starts[e],
-    starts[e+1])); `bad` (E,) their verdicts so far, updated in place with "logprobs_length"
-    and "misaligned". Returns the kept episodes' tokens and the updated `bad`.
+
+def assemble(cols: TokenColumns, rows: np.ndarray, starts: np.ndarray, bad: np.ndarray) -> EpisodeTokens:
+    """Check alignment and build token arrays for a chunk of episodes.
+
+    `rows` are the table rows of the chunk in sorted order (episode e: rows[starts[e]:starts[e+1]]);
+    `bad` (E,) their verdicts so far, updated in place with "logprobs_length" and "misaligned".
     """
-    P, P_off, P_len = _flat(chunk["prompt_token_ids"], np.int32)
-    C, C_off, C_len = _flat(chunk["completion_token_ids"], np.int32)
-    L, L_off, L_len = _flat(chunk["completion_logprobs"], np.float32)
+    P, C, L = cols.prompt, cols.completion, cols.logprobs
+    P_off, C_off, L_off = cols.prompt_off[rows], cols.completion_off[rows], cols.logprobs_off[rows]
+    P_len = cols.prompt_off[rows + 1] - P_off
+    C_len = cols.completion_off[rows + 1] - C_off
+    L_len = cols.logprobs_off[rows + 1] - L_off
     n_ep = len(starts) - 1
-    lengths = np.diff(starts)
-    ep_of_row = np.repeat(np.arange(n_ep), lengths)
+    ep_of_row = np.repeat(np.arange(n_ep), np.diff(starts))
     _mark(bad, ep_of_row[L_len != C_len], "logprobs_length")
 
-    # pairs (i, i+1) of consecutive turns: prompt_{i+1}[:need] == prompt_i + completion_i
+    # pairs (i, i+1) of consecutive turns: prompt_{i+1} = prompt_i + completion_i + ...
     i = np.flatnonzero(ep_of_row[1:] == ep_of_row[:-1])
     j = i + 1
-    need = P_len[i] + C_len[i]
-    short = P_len[j] < need
+    short = P_len[j] < P_len[i] + C_len[i]
     _mark(bad, ep_of_row[i[short]], "misaligned")
-    i, j, need = i[~short], j[~short], need[~short]
-    pair, pos = _ranges(np.zeros(len(i), np.int64), need)
-    observed = P[P_off[j][pair] + pos]
-    in_prompt = pos < P_len[i][pair]
-    expected = np.where(in_prompt, P[np.minimum(P_off[i][pair] + pos, max(len(P) - 1, 0))],
-                        C[np.clip(C_off[i][pair] + pos - P_len[i][pair], 0, max(len(C) - 1, 0))])
-    wrong = np.zeros(len(i), dtype=bool)
-    wrong[pair[observed != expected]] = True
-    _mark(bad, ep_of_row[i[wrong]], "misaligned")
+    i, j = i[~short], j[~short]
+    for src, src_off, shift, n in ((P, P_off[i], 0, P_len[i]), (C, C_off[i], P_len[i], C_len[i])):
+        wrong = np.flatnonzero(P[_ranges(P_off[j] + shift, n)] != src[_ranges(src_off, n)])
+        _mark(bad, ep_of_row[i[_owners(n, wrong)]], "misaligned")
 
-    kept = np.array([b is None for b in bad], dtype=bool) if n_ep else np.zeros(0, bool)
+    kept = np.fromiter((b is None for b in bad), dtype=bool, count=n_ep)
     eps = np.flatnonzero(kept)
-    last = starts[eps + 1] - 1
-    first = starts[eps]
+    last, first = starts[eps + 1] - 1, starts[eps]
     out_len = P_len[last] + C_len[last]
     offsets = np.concatenate([[0], np.cumsum(out_len)]).astype(np.int64)
-    total = int(offsets[-1])
 
     # input_ids = last prompt ++ last completion
-    owner, src = _ranges(P_off[last], P_len[last])
-    dst = offsets[:-1][owner] + (src - P_off[last][owner])
-    input_ids = np.empty(total, dtype=np.int32)
-    input_ids[dst] = P[src]
-    owner, src = _ranges(C_off[last], C_len[last])
-    input_ids[offsets[:-1][owner] + P_len[last][owner] + (src - C_off[last][owner])] = C[src]
+    input_ids = np.empty(int(offsets[-1]), dtype=np.int32)
+    input_ids[_ranges(offsets[:-1], P_len[last])] = P[_ranges(P_off[last], P_len[last])]
+    input_ids[_ranges(offsets[:-1] + P_len[last], C_len[last])] = C[_ranges(C_off[last], C_len[last])]
 
     # every turn of a kept episode: its completion's slot in input_ids
-    k_of_ep = np.full(n_ep, -1, dtype=np.int64)
-    k_of_ep[eps] = np.arange(len(eps))
-    turn_rows = np.flatnonzero(kept[ep_of_row]) if n_ep else np.zeros(0, np.int64)
-    owner, src = _ranges(C_off[turn_rows], C_len[turn_rows])
-    row = turn_rows[owner]
-    dst = offsets[:-1][k_of_ep[ep_of_row[row]]] + P_len[row] + (src - C_off[row])
-    mask = np.zeros(total, dtype=np.int8)
+    k_of_ep = np.cumsum(kept) - 1
+    turn = np.flatnonzero(kept[ep_of_row])
+    dst = _ranges(offsets[k_of_ep[ep_of_row[turn]]] + P_len[turn], C_len[turn])
+    mask = np.zeros(len(input_ids), dtype=np.int8)
     mask[dst] = 1
-    logprobs = np.zeros(total, dtype=np.float32)
-    logprobs[dst] = L[L_off[row] + (src - C_off[row])]
-    versions = np.full(total, -1, dtype=np.int64)
-    versions[dst] = np.asarray(chunk["weight_version"], dtype=np.int64)[row]
-    tokens = EpisodeTokens(episodes=eps, offsets=offsets, input_ids=input_ids, assistant_mask=mask,
-                           behaviour_logprobs=logprobs, weight_versions=versions,
-                           first_prompt_len=P_len[first].astype(np.int32))
-    return tokens, bad
+    logprobs = np.zeros(len(input_ids), dtype=np.float32)
+    logprobs[dst] = L[_ranges(L_off[turn], C_len[turn])]
+    versions = np.full(len(input_ids), -1, dtype=np.int64)
+    versions[dst] = np.repeat(cols.weight_version[rows[turn]], C_len[turn])
+    return EpisodeTokens(episodes=eps, offsets=offsets, input_ids=input_ids, assistant_mask=mask,
+                         behaviour_logprobs=logprobs, weight_versions=versions,
+                         first_prompt_len=P_len[first].astype(np.int32))
 
 
-def first_prompts(chunk: pa.Table, starts: np.ndarray, eps: np.ndarray) -> list[bytes]:
-    """Turn 0's prompt token ids of each episode in `eps`, as int32 bytes (for group ids)."""
-    P, P_off, P_len = _flat(chunk["prompt_token_ids"], np.int32)
-    first = starts[eps]
-    return [P[P_off[r]:P_off[r] + P_len[r]].tobytes() for r in first]
+def first_prompts(cols: TokenColumns, rows: np.ndarray) -> list[bytes]:
+    """The prompt token ids of each table row in `rows`, as int32 bytes (for group ids)."""
+    P, off = cols.prompt, cols.prompt_off
+    return [P[off[r]:off[r + 1]].tobytes() for r in rows.tolist()]
 
 
 def drop_counts(bad: np.ndarray) -> Counter:
