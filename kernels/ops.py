@@ -13,7 +13,6 @@ fake_quant and fake_quant_act are differentiable (straight-through estimators):
 """
 
 import importlib
-import os
 
 import torch
 
@@ -32,9 +31,11 @@ def _backend(impl: str | None, spec: QuantSpec, device: torch.device, module: st
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "torch":
         return importlib.import_module("kernels.reference")
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("impl='triton' on CPU tensors needs TRITON_INTERPRET=1 set before import")
-    return importlib.import_module(f"kernels.{module}")
+    backend = importlib.import_module(f"kernels.{module}")
+    if device.type == "cpu" and not backend.INTERPRETED:
+        raise RuntimeError(f"impl='triton' on CPU tensors needs kernels.{module} imported under "
+                           "TRITON_INTERPRET=1")
+    return backend
 
 
 def _quant(impl, spec, device):

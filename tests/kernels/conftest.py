@@ -1,5 +1,7 @@
 """Fixtures for the kernel tests. Triton kernels run on the CPU through the interpreter, which
-`triton.jit` reads when it decorates, so TRITON_INTERPRET is set before any test imports them."""
+`triton.jit` reads when it decorates, so TRITON_INTERPRET is set here, before any test imports
+them. It stays set for the session: triton itself imports modules lazily that assert the mode has
+not changed since triton was imported. vLLM's CPU platform ignores it (it runs no Triton)."""
 
 import os
 
