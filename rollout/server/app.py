@@ -49,13 +49,16 @@ def build_server_app(args, inner, cfg: ServeConfig, model: str, supported_tasks)
     from rollout.traces import FeedbackStore, TraceConfig, TraceWriter, register_metrics
 
     metrics = FlywheelMetrics()
-    engine = TracingEngine(inner, WeightState(0, str(Path(model).resolve()), checkpoint_sha256(model)), metrics)
+    draft = cfg.speculative.draft_model if cfg.speculative.method == "draft" else None
+    engine = TracingEngine(inner, WeightState(0, str(Path(model).resolve()), checkpoint_sha256(model),
+                                              str(Path(draft).resolve()) if draft else None), metrics)
     root = Path(cfg.trace_root)
     writer = TraceWriter(TraceConfig(root=root, durability=cfg.trace_durability))
     register_metrics(metrics.registry, writer)
     spec = cfg.speculative
     st = ServerState(cfg=cfg, engine=engine, writer=writer, feedback=FeedbackStore(root), metrics=metrics,
-                     swapper=HotSwapper(engine, cfg.canary_tolerance, cfg.drain_timeout_s, metrics),
+                     swapper=HotSwapper(engine, cfg.canary_tolerance, cfg.drain_timeout_s, metrics,
+                                        engine_args=args),
                      stack=stack_fingerprint(model),
                      speculator_version=None if spec.method == "none" else
                      f"{spec.method}:{spec.draft_model or f'{spec.ngram_min}-{spec.ngram_max}'}")

@@ -118,6 +118,7 @@ class WeightState:
     path: str
     checkpoint_sha256: str
     draft_path: str | None = None
+    stack: object = None  # StackFingerprint when it differs from the server's first (engine switch)
 
 
 class TracingEngine:

@@ -8,6 +8,7 @@ configured: the admin API is then disabled).
 
 import asyncio
 import hmac
+import logging
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -15,6 +16,8 @@ from starlette.routing import Mount
 
 from rollout.server.swap import SwapError
 from rollout.traces import Feedback
+
+log = logging.getLogger("flywheel.server")
 
 
 def add_routes(app, st) -> None:
@@ -87,11 +90,14 @@ def add_routes(app, st) -> None:
         except ValueError:
             return _err(400, 'body must be JSON: {"path": "<checkpoint folder>"}')
         if not isinstance(body, dict) or not isinstance(body.get("path"), str) or set(body) - {"path", "draft_path"}:
-            return _err(400, 'body must be {"path": "<checkpoint folder>"}')
-        if body.get("draft_path"):
-            return _err(400, "draft_path: swapping the draft model is not supported yet")
+            return _err(400, 'body must be {"path": "<checkpoint folder>", "draft_path"?: "<draft folder>"}')
+        draft = body.get("draft_path")
+        if draft is not None and not isinstance(draft, str):
+            return _err(400, "draft_path must be a folder path")
         try:
-            result = await st.swapper.swap(body["path"])
+            result = await st.swapper.swap(body["path"], draft)
         except SwapError as e:
+            log.warning("weight swap refused or rolled back: %s", e.message)
             return _err(e.status, e.message)
+        log.info("weight swap: %s", result.as_dict())
         return result.as_dict()

