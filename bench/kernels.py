@@ -9,6 +9,13 @@ Triton backend (the interpreter is for parity tests only), so it times the torch
 perf_counter, says so, and reports them against the CPU's measured copy bandwidth; the
 fake-quant forward+backward row is the QAT training path's cost.
 Bytes counted per op are the compulsory traffic (inputs read once, outputs written once).
+
+    python bench/kernels.py --ptx 90
+
+needs no GPU: it compiles every Triton kernel for that CUDA arch (ptxas ships with triton) and
+counts, per kernel, the PTX instructions that decide rounding parity with torch: IEEE
+`div.rn.f32` (wanted) against approximate `div.full.f32` / `div.approx`, and `fma.rn.f32`
+contractions (none wanted in the quantization kernels).
 """
 
 import argparse
@@ -18,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+import triton
 
 # Run as a script, this file's folder comes first on sys.path and its name shadows the package.
 _HERE = Path(__file__).resolve().parent
@@ -101,6 +109,42 @@ def _parity(spec: QuantSpec, device: torch.device, dtype: torch.dtype) -> None:
     print(f"  parity on {device.type} ({spec.name}): scales/q/fake_quant bit-exact = {same}")
 
 
+def ptx_check(arch: int) -> None:
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import kernels.triton_matmul as tm
+    import kernels.triton_quant as tq
+
+    dims = {"N": "i32", "K": "i32", "G": "i32", "NG": "i32"}
+    q = {"QMIN": -8, "QMAX": 7, "SYM": False, "BLOCK_N": 16, "BLOCK_K": 128}
+    kernels = [
+        (tq._qparams_kernel, {"w_ptr": "*bf16", "scale_ptr": "*bf16", "zp_ptr": "*i8"} | dims, q | {"EPS": 2 ** -7}),
+        (tq._quant_kernel, {"w_ptr": "*bf16", "scale_ptr": "*bf16", "zp_ptr": "*i8", "out_ptr": "*bf16",
+                            "mask_ptr": "*i1"} | dims, q | {"FAKE": True}),
+        (tq._dequant_kernel, {"q_ptr": "*i8", "scale_ptr": "*bf16", "zp_ptr": "*i8", "out_ptr": "*bf16"} | dims,
+         {"SYM": False, "BLOCK_N": 16, "BLOCK_K": 128}),
+        (tq._fq_backward_kernel, {"grad_ptr": "*fp32", "w_ptr": "*fp32", "scale_ptr": "*fp32", "zp_ptr": "*i8",
+                                  "mask_ptr": "*i1", "gw_ptr": "*fp32", "gs_ptr": "*fp32"} | dims,
+         q | {"SCALE_GRAD": True}),
+        (tq._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "K": "i32"},
+         {"FAKE": False, "BLOCK_K": 1024}),
+        (tm._int8_mm_kernel, {"x_ptr": "*i8", "xs_ptr": "*fp32", "w_ptr": "*i8", "ws_ptr": "*bf16",
+                              "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32"}, {"BM": 32, "BN": 64, "BK": 64}),
+        (tm._w4a16_kernel, {"x_ptr": "*bf16", "wp_ptr": "*i32", "s_ptr": "*bf16", "zp_ptr": "*i32",
+                            "out_ptr": "*bf16", "M": "i32", "KP": "i32"} | dims,
+         {"SYM": False, "IEEE": False, "UPCAST": False, "BM": 32, "BN": 64, "BK": 64}),
+    ]
+    print(f"PTX for sm_{arch}: {'kernel':<22}{'div.rn':>8}{'div.full':>10}{'div.approx':>12}{'fma.rn':>8}")
+    for fn, sig, consts in kernels:
+        src = ASTSource(fn=fn, signature=sig | dict.fromkeys(consts, "constexpr"), constexprs=consts)
+        ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"enable_fp_fusion": False}).asm["ptx"]
+        counts = [len(re.findall(re.escape(p), ptx)) for p in ("div.rn.f32", "div.full.f32", "div.approx", "fma.rn.f32")]
+        print(f"{'':<14}{fn.__name__:<22}" + "".join(f"{c:>{w}}" for c, w in zip(counts, (8, 10, 12, 8))))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=4096)
@@ -109,7 +153,11 @@ def main():
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--iters", type=int, default=None, help="default: 50 on CUDA, 5 on CPU")
+    parser.add_argument("--ptx", type=int, default=None, metavar="ARCH",
+                        help="only compile the Triton kernels for sm_ARCH (no GPU needed) and count rounding ops")
     args = parser.parse_args()
+    if args.ptx:
+        return ptx_check(args.ptx)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
