@@ -114,6 +114,10 @@ def serve(cfg: ServeConfig, engine_cfg: EngineConfig, model: str) -> None:
         raise ValueError(f"{model} is {fmt}: vLLM's CPU W4A16 kernel has no float32 path; "
                          "set engine.dtype=bfloat16 (or float16)")
     engine_cfg.apply_env()
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("(flywheel) %(levelname)s %(asctime)s %(message)s"))
+    logging.getLogger("flywheel").addHandler(handler)
+    logging.getLogger("flywheel").setLevel(logging.INFO)
     # The hot-swap sends a function (swap.refresh_tied_head) to the workers over collective_rpc,
     # which vLLM pickles only with this set. The RPC channel is local to the engine's processes.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"

@@ -48,3 +48,46 @@ def test_serves_a_w4a16_folder_and_hot_swaps_it(srv_w4a16):
     # A full-precision folder cannot replace W4A16 layers in place.
     bad = server.admin("POST", "/admin/weights", json={"path": full_precision})
     assert bad.status_code == 409 and "quantization format" in bad.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def srv_w8a8(tiny_base, tmp_path_factory):
+    from kernels import QuantSpec
+    from pipelines.quantize import quantize_checkpoint
+
+    root = tmp_path_factory.mktemp("srv_w8a8")
+    spec = QuantSpec(weight_bits=8, symmetric=True, granularity="channel", group_size=None,
+                     activations="int8_dynamic_token")
+    q1 = quantize_checkpoint(tiny_base.path, root / "q1", spec)
+    q2 = quantize_checkpoint(perturbed_copy(tiny_base.path, root / "fp2"), root / "q2", spec)
+    server = ServerProc(q1.path, root / "data", root / "server.log", ["engine.dtype=bfloat16"]).wait_healthy()
+    try:
+        yield server, q1.path, q2.path
+    finally:
+        server.stop()
+
+
+def test_w8a8_swaps_through_a_second_engine_under_load(srv_w8a8):
+    from test_hot_swap import StreamingLoad
+    from srv_util import sse_events
+
+    server, q1, q2 = srv_w8a8
+    with StreamingLoad(server.url, n=3) as load:
+        r = server.admin("POST", "/admin/weights", json={"path": q2}, timeout=300)
+        import time
+
+        time.sleep(2)
+    assert r.status_code == 200, r.text
+    swap = r.json()
+    assert swap["weight_version"] == 1 and swap["canary_mean_abs_dlogprob"] < 0.05
+    assert swap["pause_s"] < swap["load_s"]  # the new engine started while the old one served
+    failed = [x for x in load.results if x[0] != 200 or not x[3] or any("error" in e for e in sse_events(x[4]))]
+    assert not failed and {v for _, _, v, _, _ in load.results} == {0, 1}, failed[:2]
+    body = {"model": "flywheel", "messages": chat_messages(), "max_tokens": 8, "temperature": 0}
+    after = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert after.status_code == 200 and after.headers["x-flywheel-weight-version"] == "1"
+    row = server.trace(after.headers["x-flywheel-trace-id"])
+    assert row["stack"]["quant_format"] == "compressed-tensors-w8a8" and row["weight_version"] == 1
+    assert httpx.get(server.url + "/health").status_code == 200
+    text = httpx.get(server.url + "/metrics").text
+    assert "vllm:num_requests_running" in text and 'flywheel_weight_swaps_total{outcome="ok"} 1.0' in text
