@@ -1,0 +1,245 @@
+"""The agent rollout collector: plays the demo task's episodes against the serving endpoint.
+
+    results, stats = collect(problems, tokenizer, CollectorConfig(base_url="http://127.0.0.1:8000"))
+
+Each problem is played `group_size` times (a GRPO group), each episode as in `rollout.episode`,
+but over HTTP: `POST /v1/completions` with token-id prompts, so turn k+1's prompt is exactly turn
+k's prompt + the sampled ids + the rendered tool result, and nothing is re-tokenized. Sampling is
+top-p 1 and no top-k, so the logged logprobs are those of the sampling distribution. Every request
+carries `episode_id`/`turn`; the episode's reward goes to `POST /v1/feedback` (on the last turn's
+trace, with `episode_id`), so the trace store holds everything the dataset build needs.
+
+Failure handling (the invariants the dataset build relies on):
+- a failed request (connection error, timeout, 429, 5xx) is retried with the same episode_id and
+  turn; the server logs every attempt, and the dataset keeps the latest attempt of each turn, the
+  one this client continued from (`duplicate_turn` counts the others);
+- an episode that runs past `episode_timeout_s`, or whose retries run out, is abandoned: it gets
+  no feedback, so a build with `pipelines.rewards:feedback_reward` drops it as "missing_reward";
+- each (problem, sample) yields exactly one `EpisodeResult`, ok or not: nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+import httpx
+
+from rollout.episode import parse_assistant, prompt_ids, tool_result_ids
+from rollout.task import Problem, calculator, reward
+
+RETRY_STATUS = (429, 500, 502, 503, 504)
+
+
+@dataclass
+class CollectorConfig:
+    base_url: str  # e.g. "http://127.0.0.1:8000"
+    model: str = "flywheel"
+    group_size: int = 8  # G samples per problem
+    temperature: float = 1.0
+    max_tokens: int = 48
+    max_turns: int = 2
+    concurrency: int = 32  # episodes in flight
+    episode_timeout_s: float = 120.0
+    request_timeout_s: float = 60.0
+    max_retries: int = 3  # per request
+    retry_backoff_s: float = 0.2  # doubled per retry, with jitter; a 429's Retry-After wins
+    post_feedback: bool = True
+    feedback_source: str = "env:calculator"
+    progress: bool = True
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # prefixes episode ids
+
+    def __post_init__(self):
+        if not isinstance(self.base_url, str) or not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must be an http(s) URL, got {self.base_url!r}")
+        for name in ("group_size", "max_tokens", "max_turns", "concurrency"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) or self.max_retries < 0:
+            raise ValueError(f"max_retries must be an int >= 0, got {self.max_retries!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (GRPO samples), got {self.temperature}")
+        for name in ("episode_timeout_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.retry_backoff_s >= 0:
+            raise ValueError(f"retry_backoff_s must be >= 0, got {self.retry_backoff_s}")
+
+
+@dataclass
+class TurnResult:
+    """One served request as the client received it."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]  # sampled, including the closing <|im_end|> when the turn stopped
+    logprobs: list[float]  # behaviour logprob of each sampled token
+    finish_reason: str
+    trace_id: str | None  # x-flywheel-trace-id
+    weight_version: int | None  # x-flywheel-weight-version
+    attempts: int  # 1 + retries
+
+
+@dataclass
+class EpisodeResult:
+    episode_id: str
+    group: int  # index of the problem in `collect`'s input
+    problem: Problem
+    messages: list[dict]
+    turns: list[TurnResult] = field(default_factory=list)
+    reward: float | None = None  # None unless status is "ok"
+    status: Literal["ok", "timeout", "error"] = "ok"
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class CollectStats:
+    episodes: int
+    episodes_ok: int
+    episodes_failed: int
+    requests: int  # HTTP attempts (completions and feedback), retries included
+    retries: int
+    tokens_sampled: int
+    seconds: float
+
+    @property
+    def episodes_per_s(self) -> float:
+        return self.episodes / self.seconds if self.seconds > 0 else 0.0
+
+
+class RequestFailed(Exception):
+    pass
+
+
+async def collect(problems: list[Problem], tokenizer, cfg: CollectorConfig,
+                  client: httpx.AsyncClient | None = None) -> tuple[list[EpisodeResult], CollectStats]:
+    """Play `cfg.group_size` episodes of every problem; results are in (problem, sample) order."""
+    own = client is None
+    if own:
+        limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
+        client = httpx.AsyncClient(base_url=cfg.base_url, timeout=cfg.request_timeout_s, limits=limits)
+    counters = {"requests": 0, "retries": 0}
+    sem = asyncio.Semaphore(cfg.concurrency)
+    results = [EpisodeResult(f"{cfg.run_id}-{g}-{s}", g, p, p.messages())
+               for g, p in enumerate(problems) for s in range(cfg.group_size)]
+    bar = _progress(len(results), cfg.progress)
+    t0 = time.perf_counter()
+
+    async def one(ep: EpisodeResult) -> None:
+        async with sem:
+            try:
+                await asyncio.wait_for(_play(ep, client, tokenizer, cfg, counters), cfg.episode_timeout_s)
+            except asyncio.TimeoutError:
+                ep.status, ep.error = "timeout", f"episode ran past {cfg.episode_timeout_s} s"
+            except RequestFailed as e:
+                ep.status, ep.error = "error", str(e)
+            if ep.status != "ok":
+                ep.reward = None
+            bar.update(1)
+
+    try:
+        await asyncio.gather(*(one(ep) for ep in results))
+    finally:
+        bar.close()
+        if own:
+            await client.aclose()
+    ok = sum(ep.status == "ok" for ep in results)
+    stats = CollectStats(episodes=len(results), episodes_ok=ok, episodes_failed=len(results) - ok,
+                         requests=counters["requests"], retries=counters["retries"],
+                         tokens_sampled=sum(len(t.token_ids) for ep in results for t in ep.turns),
+                         seconds=time.perf_counter() - t0)
+    return results, stats
+
+
+def collect_sync(problems: list[Problem], tokenizer, cfg: CollectorConfig) -> tuple[list[EpisodeResult], CollectStats]:
+    return asyncio.run(collect(problems, tokenizer, cfg))
+
+
+async def _play(ep: EpisodeResult, client: httpx.AsyncClient, tokenizer, cfg: CollectorConfig, counters) -> None:
+    eos = tokenizer.eos_token_id
+    prompt = prompt_ids(tokenizer, ep.problem.messages())
+    for turn in range(cfg.max_turns):
+        t = await _complete(client, cfg, prompt, ep.episode_id, turn, counters)
+        ep.turns.append(t)
+        ids = t.token_ids[:-1] if t.token_ids and t.token_ids[-1] == eos else t.token_ids
+        msg = parse_assistant(tokenizer.decode(ids, skip_special_tokens=False))
+        ep.messages.append(msg)
+        if t.finish_reason != "stop" or not msg["tool_calls"]:
+            break
+        fn = msg["tool_calls"][0]["function"]
+        try:
+            result = calculator(json.loads(fn["arguments"])["expression"])
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+            result = f"error: {e}"
+        ep.messages.append({"role": "tool", "tool_call_id": "call_0", "content": result})
+        prompt = prompt + t.token_ids + tool_result_ids(tokenizer, result)
+    ep.reward = reward(ep.problem, ep.messages)
+    if cfg.post_feedback:
+        body = {"trace_id": ep.turns[-1].trace_id, "episode_id": ep.episode_id, "reward": ep.reward,
+                "source": cfg.feedback_source}
+        await _post(client, cfg, "/v1/feedback", body, counters)
+
+
+async def _complete(client: httpx.AsyncClient, cfg: CollectorConfig, prompt: list[int], episode_id: str, turn: int,
+                    counters) -> TurnResult:
+    body = {"model": cfg.model, "prompt": prompt, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature,
+            "top_p": 1.0, "top_k": 0, "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
+            "episode_id": episode_id, "turn": turn}
+    r, attempts = await _post(client, cfg, "/v1/completions", body, counters)
+    choice = r.json()["choices"][0]
+    ids = list(choice["token_ids"])
+    lps = list((choice.get("logprobs") or {}).get("token_logprobs") or [])
+    if len(lps) != len(ids):
+        raise RequestFailed(f"turn {turn}: {len(lps)} logprobs for {len(ids)} tokens")
+    version = r.headers.get("x-flywheel-weight-version")
+    return TurnResult(prompt_ids=list(prompt), token_ids=ids, logprobs=lps,
+                      finish_reason="stop" if choice.get("finish_reason") == "stop" else "length",
+                      trace_id=r.headers.get("x-flywheel-trace-id"),
+                      weight_version=int(version) if version is not None else None, attempts=attempts)
+
+
+async def _post(client: httpx.AsyncClient, cfg: CollectorConfig, path: str, body: dict, counters
+                ) -> tuple[httpx.Response, int]:
+    """POST with retries of transport errors, 429 and 5xx; other 4xx fail at once."""
+    last = ""
+    for attempt in range(cfg.max_retries + 1):
+        if attempt:
+            counters["retries"] += 1
+        counters["requests"] += 1
+        wait = cfg.retry_backoff_s * 2 ** attempt * (0.5 + random.random())
+        try:
+            r = await client.post(path, json=body)
+        except httpx.TransportError as e:
+            last = f"{type(e).__name__}: {e}"
+        else:
+            if r.status_code == 200:
+                return r, attempt + 1
+            last = f"HTTP {r.status_code}: {r.text[:200]}"
+            if r.status_code not in RETRY_STATUS:
+                break
+            if r.status_code == 429 and r.headers.get("retry-after", "").replace(".", "", 1).isdigit():
+                wait = float(r.headers["retry-after"])
+        if attempt < cfg.max_retries:
+            await asyncio.sleep(wait)
+    raise RequestFailed(f"{path}: {last}")
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="episodes", unit="ep", smoothing=0.1)

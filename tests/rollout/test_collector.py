@@ -1,0 +1,120 @@
+"""The collector's protocol and failure handling against a fake endpoint (httpx.MockTransport: the
+leaf is faked, the tokenizer and task are real). It plays the ideal episode, token-in/token-out,
+and injects 503s, 429s, dropped connections, a 400 and a stalled request. The real server is
+exercised in tests/rollout/server/test_collector_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import httpx
+import pytest
+
+from rollout.collector import CollectorConfig, collect
+from rollout.episode import prompt_ids, tool_result_ids
+from rollout.task import calculator, make_problems, problem_from_question
+
+
+class FakeEndpoint:
+    """Answers /v1/completions with a problem's ideal turns; checks every prompt extends the last."""
+
+    def __init__(self, tok, faults: dict[tuple[str, int], list[str]]):
+        self.tok, self.faults = tok, faults
+        self.log: list[dict] = []  # every completions attempt that reached the "engine"
+        self.feedback: list[dict] = []
+        self.sent: dict[tuple[str, int], dict] = {}  # (episode, turn) -> the response sent last
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if request.url.path == "/v1/feedback":
+            self.feedback.append(body)
+            return httpx.Response(200, json={"feedback_id": "f", "trace_id": body["trace_id"]})
+        key = (body["episode_id"], body["turn"])
+        fault = (self.faults.get(key) or [None]).pop(0) if self.faults.get(key) else None
+        if fault == "503":
+            return httpx.Response(503, json={"error": "busy"})
+        if fault == "429":
+            return httpx.Response(429, headers={"retry-after": "0"}, json={"error": "queue full"})
+        if fault == "drop":
+            raise httpx.ConnectError("connection reset")
+        if fault == "400":
+            return httpx.Response(400, json={"error": "bad"})
+        if fault == "stall":
+            await asyncio.sleep(30)
+        assert body["top_p"] == 1.0 and body["top_k"] == 0 and body["logprobs"] == 0 and body["return_token_ids"]
+        prompt = body["prompt"]
+        if body["turn"] > 0:
+            prev = self.sent[(body["episode_id"], body["turn"] - 1)]
+            assert prompt[:len(prev["prompt"]) + len(prev["ids"])] == prev["prompt"] + prev["ids"]
+        text = self.tok.decode(prompt, skip_special_tokens=False)
+        question = text.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+        problem = problem_from_question(question)
+        out = (f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{problem.expression}"}}}}\n'
+               f"</tool_call><|im_end|>" if body["turn"] == 0 else f"Answer: {problem.answer}<|im_end|>")
+        ids = self.tok.encode(out, add_special_tokens=False)
+        lps = [-0.01 * (i + 1) for i in range(len(ids))]
+        trace_id = uuid.uuid4().hex
+        self.sent[key] = {"prompt": prompt, "ids": ids, "lps": lps, "trace_id": trace_id}
+        self.log.append({"key": key, "trace_id": trace_id})
+        return httpx.Response(200, headers={"x-flywheel-trace-id": trace_id, "x-flywheel-weight-version": "3"},
+                              json={"choices": [{"index": 0, "text": out, "token_ids": ids, "finish_reason": "stop",
+                                                 "logprobs": {"token_logprobs": lps}}]})
+
+
+def _run(tok, faults, **cfg_kw):
+    problems = make_problems("train", 2, seed=5)
+    fake = FakeEndpoint(tok, faults)
+    cfg = CollectorConfig(base_url="http://fake", group_size=3, run_id="r", progress=False, retry_backoff_s=0.0,
+                          **cfg_kw)
+    client = httpx.AsyncClient(base_url=cfg.base_url, transport=httpx.MockTransport(fake))
+    results, stats = asyncio.run(collect(problems, tok, cfg, client=client))
+    return problems, fake, results, stats
+
+
+def test_episodes_are_token_in_token_out_and_rewarded_once(tiny_tokenizer):
+    problems, fake, results, stats = _run(tiny_tokenizer, {})
+    assert [r.episode_id for r in results] == [f"r-{g}-{s}" for g in range(2) for s in range(3)]
+    assert stats.episodes == stats.episodes_ok == 6 and stats.requests == 12 + 6 and stats.retries == 0
+    for r in results:
+        assert r.status == "ok" and r.reward == 1.0 and r.problem is problems[r.group]
+        t0, t1 = r.turns
+        assert t0.prompt_ids == prompt_ids(tiny_tokenizer, r.problem.messages())
+        assert t1.prompt_ids == t0.prompt_ids + t0.token_ids + tool_result_ids(tiny_tokenizer, calculator(r.problem.expression))
+        for k, t in enumerate(r.turns):
+            sent = fake.sent[(r.episode_id, k)]
+            assert (t.token_ids, t.logprobs, t.trace_id, t.weight_version) == (sent["ids"], sent["lps"], sent["trace_id"], 3)
+    assert sorted(f["episode_id"] for f in fake.feedback) == sorted(r.episode_id for r in results)
+    assert all(f["trace_id"] == fake.sent[(f["episode_id"], 1)]["trace_id"] and f["reward"] == 1.0
+               for f in fake.feedback)
+
+
+def test_retries_keep_the_episode_once_and_continue_from_the_last_attempt(tiny_tokenizer):
+    faults = {("r-0-0", 0): ["503", "429"], ("r-0-1", 1): ["drop"], ("r-1-2", 0): ["drop", "503"]}
+    _, fake, results, stats = _run(tiny_tokenizer, faults)
+    assert stats.episodes_ok == 6 and stats.retries == 5 and stats.requests == 12 + 6 + 5
+    assert [t.attempts for t in results[0].turns] == [3, 1] and [t.attempts for t in results[1].turns] == [1, 2]
+    assert len(fake.feedback) == 6 and len({f["episode_id"] for f in fake.feedback}) == 6
+
+
+def test_failures_and_timeouts_abandon_the_episode_without_feedback(tiny_tokenizer):
+    faults = {("r-0-0", 0): ["400"], ("r-0-1", 1): ["503"] * 5, ("r-1-0", 1): ["stall"]}
+    _, fake, results, stats = _run(tiny_tokenizer, faults, max_retries=2, episode_timeout_s=2.0)
+    status = {r.episode_id: r.status for r in results}
+    assert status == {"r-0-0": "error", "r-0-1": "error", "r-0-2": "ok", "r-1-0": "timeout", "r-1-1": "ok",
+                      "r-1-2": "ok"}
+    assert "HTTP 400" in results[0].error and "HTTP 503" in results[1].error
+    assert all(r.reward is None for r in results if r.status != "ok")
+    assert {f["episode_id"] for f in fake.feedback} == {"r-0-2", "r-1-1", "r-1-2"}
+    assert stats.episodes_failed == 3 and stats.episodes == 6
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(base_url="127.0.0.1:8000"), "base_url"), (dict(group_size=0), "group_size"),
+    (dict(temperature=0.0), "temperature"), (dict(max_retries=-1), "max_retries"),
+    (dict(episode_timeout_s=0), "episode_timeout_s"), (dict(concurrency=0), "concurrency"),
+])
+def test_config_names_the_bad_field(change, field):
+    with pytest.raises(ValueError, match=field):
+        CollectorConfig(**{"base_url": "http://127.0.0.1:1", **change})
