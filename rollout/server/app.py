@@ -118,6 +118,7 @@ def serve(cfg: ServeConfig, engine_cfg: EngineConfig, model: str) -> None:
     handler.setFormatter(logging.Formatter("(flywheel) %(levelname)s %(asctime)s %(message)s"))
     logging.getLogger("flywheel").addHandler(handler)
     logging.getLogger("flywheel").setLevel(logging.INFO)
+    logging.getLogger("flywheel").propagate = False
     # The hot-swap sends a function (swap.refresh_tied_head) to the workers over collective_rpc,
     # which vLLM pickles only with this set. The RPC channel is local to the engine's processes.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
