@@ -1,0 +1,126 @@
+"""The server's pieces without an engine: config checks, the admission gate, the response parser,
+the folder checks of a hot-swap, and vLLM argument building."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from srv_util import perturbed_copy
+
+from rollout.engine import EngineConfig
+from rollout.server.config import ServeConfig, SpeculativeConfig, vllm_cli_args
+from rollout.server.engine import Gate
+from rollout.server.output import OutputParser
+from rollout.server.swap import SwapError, check_folder, checkpoint_sha256
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"port": 70000}, "port"), ({"max_queue": 0}, "max_queue"), ({"max_body_bytes": -1}, "max_body_bytes"),
+    ({"drain_timeout_s": 0}, "drain_timeout_s"), ({"logprobs_mode": "raw_logits"}, "logprobs_mode"),
+    ({"trace_durability": "never"}, "trace_durability"), ({"served_model_name": ""}, "served_model_name"),
+])
+def test_serve_config_names_the_bad_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        ServeConfig(**kwargs)
+
+
+def test_speculative_config_and_vllm_args():
+    with pytest.raises(ValueError, match="draft_model"):
+        SpeculativeConfig(method="draft")
+    with pytest.raises(ValueError, match="ngram_min"):
+        SpeculativeConfig(method="ngram", ngram_min=3, ngram_max=2)
+    args = vllm_cli_args(ServeConfig(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=2)),
+                         EngineConfig(), "/m", port=1234)
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    assert spec == {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    assert args[args.index("--port") + 1] == "1234" and "--enable-prefix-caching" in args
+    assert args[args.index("--tool-call-parser") + 1] == "hermes" and "--enable-auto-tool-choice" in args
+    assert "--speculative-config" not in vllm_cli_args(ServeConfig(), EngineConfig(), "/m")
+
+
+def test_loop_config_builds_serve_from_yaml():
+    from loop.config import load_config
+    from loop.configs import ConfigError
+
+    tiny = Path(__file__).resolve().parents[3] / "conf" / "tiny.yaml"
+    cfg = load_config(tiny, ["serve.port=9001", "serve.speculative.method=ngram"])
+    assert cfg.serve.port == 9001 and cfg.serve.speculative.method == "ngram"
+    with pytest.raises(ConfigError, match="serve.prot"):
+        load_config(tiny, ["+serve.prot=1"])
+
+
+def test_gate_holds_new_requests_until_the_swap_is_done():
+    async def run():
+        gate, order = Gate(), []
+
+        async def request(name, hold):
+            async with gate.admit():
+                order.append(f"{name}+")
+                await asyncio.sleep(hold)
+                order.append(f"{name}-")
+
+        first = asyncio.create_task(request("a", 0.05))
+        await asyncio.sleep(0.01)
+        closing = asyncio.create_task(gate.close(timeout=1))
+        await asyncio.sleep(0)
+        second = asyncio.create_task(request("b", 0))
+        assert await closing  # drained: a finished, b is waiting
+        order.append("swap")
+        assert gate.waiting == 1 and gate.in_flight == 0
+        gate.open()
+        await asyncio.gather(first, second)
+        assert order == ["a+", "a-", "swap", "b+", "b-"]
+        # a request that outlives the bound makes close() report False
+        slow = asyncio.create_task(request("c", 0.2))
+        await asyncio.sleep(0.01)
+        assert not await gate.close(timeout=0.05)
+        gate.open()
+        await slow
+
+    asyncio.run(run())
+
+
+def test_output_parser_rebuilds_streamed_tool_calls():
+    p = OutputParser(chat=True)
+    chunks = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call1", "type": "function",
+                                                             "function": {"name": "calculator", "arguments": ""}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"expression": '}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"2+3"}'}}]},
+                      "finish_reason": "tool_calls"}]},
+    ]
+    raw = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    for i in range(0, len(raw), 7):  # arbitrary network chunking
+        p.feed(raw[i:i + 7].encode())
+    out, finish, err = p.result()
+    assert finish == "tool_calls" and err is None and out["content"] is None
+    assert out["tool_calls"] == [{"id": "call1", "type": "function",
+                                  "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'}}]
+    e = OutputParser(chat=False)
+    e.feed(json.dumps({"error": {"message": "bad", "code": 400}}).encode())
+    assert e.result() == ({}, None, "bad")
+
+
+def test_check_folder_refuses_incompatible_checkpoints(tiny_base, tmp_path):
+    base = tiny_base.path
+    ok = perturbed_copy(base, tmp_path / "ok")
+    assert check_folder(ok, base) == checkpoint_sha256(ok) != checkpoint_sha256(base)
+    with pytest.raises(SwapError, match="config.json"):
+        check_folder(tmp_path / "missing", base)
+    arch = perturbed_copy(base, tmp_path / "arch")
+    cfg = json.loads((arch / "config.json").read_text())
+    cfg["hidden_size"] *= 2
+    (arch / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SwapError, match="hidden_size") as e:
+        check_folder(arch, base)
+    assert e.value.status == 409
+    tampered = tmp_path / "tampered"
+    shutil.copytree(base, tampered)
+    (tampered / "model.safetensors").write_bytes((tampered / "model.safetensors").read_bytes()[:-8] + b"\0" * 8)
+    with pytest.raises(SwapError, match="manifest sha256"):
+        check_folder(tampered, base)
