@@ -11,7 +11,8 @@ For the generation routes (`/v1/chat/completions`, `/v1/completions`) it
   message, and writes the trace row. In "commit" durability the final body chunk is held until
   the row is fsynced, so a client that saw a complete response has a durable trace; in
   "interval" durability nothing waits.
-Requests that fail (4xx/5xx) or are aborted by the client are traced too, with their status.
+Requests that fail (4xx/5xx, 429 included) or are aborted by the client are traced too, with
+their status; only a body refused for its size (413) is not (it is never read whole).
 """
 
 from __future__ import annotations
@@ -93,16 +94,11 @@ class FlywheelMiddleware:
             return
         if st.admitted >= st.cfg.max_queue:
             st.metrics.rejected.inc()
-            start, end = _json_response(429, f"server is at its queue limit ({st.cfg.max_queue} requests); "
-                                        "retry later", "RateLimitError", [(b"retry-after", b"1")])
-            await send(start)
-            await send(end)
-            return
+            return await self._reject(scope, body, send, 429, f"server is at its queue limit "
+                                      f"({st.cfg.max_queue} requests); retry later", "RateLimitError",
+                                      [(b"retry-after", b"1")])
         if (problem := _tool_schema_problem(body)) is not None:
-            start, end = _json_response(400, problem, "BadRequestError")
-            await send(start)
-            await send(end)
-            return
+            return await self._reject(scope, body, send, 400, problem, "BadRequestError")
         st.admitted += 1
         try:
             await self._traced(scope, body, receive, send, st)
@@ -159,6 +155,28 @@ class FlywheelMiddleware:
             if not finished[0]:  # the client went away, or the app raised before the last chunk
                 finished[0] = True
                 await record(final=False)
+
+    async def _reject(self, scope, body: bytes, send, status: int, message: str, err_type: str,
+                      headers: list | None = None) -> None:
+        """Answer before vLLM sees the request, and trace it as an error (without waiting)."""
+        ctx = RequestContext(trace_id=uuid.uuid4().hex, created_at=datetime.now(timezone.utc), t0=time.perf_counter())
+        start, end = _json_response(status, message, err_type,
+                                    [(b"x-flywheel-trace-id", ctx.trace_id.encode()), *(headers or [])])
+        await send(start)
+        await send(end)
+        try:
+            req = json.loads(body)
+        except ValueError:
+            req = {}
+        parser = OutputParser(chat=scope["path"].endswith("chat/completions"))
+        parser.feed(end["body"])
+        hdrs = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        try:
+            for t in build_traces(ctx, req if isinstance(req, dict) else {}, hdrs, parser, status, self.state,
+                                  aborted=False):
+                self.state.writer.append_nowait(t)
+        except Exception:
+            log.exception("trace of a rejected request could not be written")
 
     async def _read_body(self, receive, send) -> bytes | None:
         limit = self.state.cfg.max_body_bytes

@@ -175,6 +175,9 @@ def test_overload_answers_429_with_retry_after(srv_main):
     codes = [r.status_code for r in responses]
     assert set(codes) <= {200, 429} and codes.count(429) > 0 and codes.count(200) >= 12
     assert all(r.headers.get("retry-after") for r in responses if r.status_code == 429)
+    rejected = next(r for r in responses if r.status_code == 429)
+    row = srv_main.trace(rejected.headers["x-flywheel-trace-id"])
+    assert row["status"] == "error" and "queue limit" in row["error"]
 
 
 def test_feedback_lands_in_the_feedback_table(srv_main, srv_client):
