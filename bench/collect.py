@@ -1,0 +1,135 @@
+"""Collection throughput through the endpoint vs the bare engine, on the same episodes.
+
+1. `loop serve` (the real server: tracing, commit-mode trace durability, feedback) in a
+   subprocess; the collector plays `--problems` x `--group` calculator episodes over HTTP
+   (token-in/token-out, `--concurrency` episodes in flight). Episodes/s, and the traces written.
+2. Server stopped, then the bare offline engine (same EngineConfig) plays the same problems with
+   `run_episodes` (each turn one batched `generate` call across all live episodes: the engine's
+   best case). Episodes/s.
+The ratio (1)/(2) is what serving, HTTP and tracing cost the collection (target >= 0.8). One
+engine runs at a time.
+
+    python bench/collect.py [--problems 64] [--group 8] [--concurrency 64] [--config conf/tiny.yaml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+# `python bench/collect.py` puts bench/ first on sys.path, where bench/kernels.py would shadow the
+# `kernels` package the server imports
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(config: Path, model: str, root: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    port = _port()
+    cmd = [sys.executable, "-m", "loop.cli", "serve", str(config), f"serve.model={model}", f"serve.port={port}",
+           f"serve.trace_root={root}", "serve.admin_token=bench"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError("server not healthy")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--problems", type=int, default=64)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--config", type=Path, default=REPO / "conf" / "tiny.yaml")
+    ap.add_argument("--cache-dir", default=str(REPO / ".cache" / "flywheel-test"))
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from loop.bootstrap import bootstrap
+    from loop.config import load_config
+    from rollout.collector import CollectorConfig, collect_sync
+    from rollout.engine import make_llm, vllm_generate
+    from rollout.episode import run_episodes
+    from rollout.task import make_problems
+    from rollout.traces import read_traces
+
+    cfg = load_config(args.config, [f"bootstrap.cache_dir={args.cache_dir}"])
+    base = bootstrap(cfg.bootstrap, cfg.task)
+    tok = AutoTokenizer.from_pretrained(base.path)
+    problems = make_problems("train", args.problems, seed=123)
+    work = Path(tempfile.mkdtemp(prefix="fw-collect-"))
+    n = args.problems * args.group
+    try:
+        proc, url = serve(args.config, str(base.path), work / "data", work / "server.log")
+        try:
+            warm = CollectorConfig(base_url=url, group_size=1, progress=False, max_tokens=args.max_tokens)
+            collect_sync(problems[:8], tok, warm)
+            ccfg = CollectorConfig(base_url=url, group_size=args.group, concurrency=args.concurrency,
+                                   max_tokens=args.max_tokens, progress=False)
+            results, stats = collect_sync(problems, tok, ccfg)
+            httpx.post(url + "/admin/flush", timeout=60, headers={"authorization": "Bearer bench"})
+        finally:
+            stop(proc)
+        traces = read_traces(work / "data", columns=["episode_id"]).num_rows
+        ok = [r for r in results if r.status == "ok"]
+        print(f"[collect] {n} episodes ({len(ok)} ok, {stats.retries} retries, {stats.requests} requests) "
+              f"in {stats.seconds:.2f} s: {stats.episodes_per_s:.1f} episodes/s, "
+              f"{stats.tokens_sampled / stats.seconds:.0f} sampled tokens/s; {traces} trace rows; "
+              f"success {sum(r.reward for r in ok) / max(1, len(ok)):.2f}")
+
+        llm = make_llm(str(base.path), cfg.engine)
+        gen = vllm_generate(llm)
+        run_episodes(problems[:8], tok, gen, temperature=1.0, max_tokens=args.max_tokens)  # warm-up
+        batch = [p for p in problems for _ in range(args.group)]
+        t = time.perf_counter()
+        eps = run_episodes(batch, tok, gen, temperature=1.0, max_tokens=args.max_tokens)
+        dt = time.perf_counter() - t
+        toks = sum(len(turn.completion.token_ids) for e in eps for turn in e.turns)
+        print(f"[engine]  {n} episodes in {dt:.2f} s: {n / dt:.1f} episodes/s, {toks / dt:.0f} sampled tokens/s; "
+              f"success {sum(e.reward for e in eps) / n:.2f}")
+        print(f"[ratio]   collection / bare engine = {stats.episodes_per_s / (n / dt):.2f} (episodes/s), "
+              f"{(stats.tokens_sampled / stats.seconds) / (toks / dt):.2f} (sampled tokens/s)")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
