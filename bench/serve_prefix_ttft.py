@@ -25,8 +25,8 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
+# the repo before bench/: bench/kernels.py must not shadow the `kernels` package (serve_compare is found last)
+sys.path[:] = [str(REPO)] + [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"] + [str(REPO / "bench")]
 
 
 def build_wide(base: str, dst: Path) -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import random
+import threading
 
 import httpx
 import pytest
@@ -165,9 +166,12 @@ def test_failed_requests_are_traced_with_their_status(srv_main):
 
 
 def test_overload_answers_429_with_retry_after(srv_main):
-    body = {"model": "flywheel", "prompt": "count", "max_tokens": 64, "ignore_eos": True}
+    # long generations, released together: the first 12 are still running when the rest arrive
+    body = {"model": "flywheel", "prompt": "count", "max_tokens": 300, "ignore_eos": True}
+    start = threading.Barrier(40)
 
     def one(_):
+        start.wait()
         return httpx.post(srv_main.url + "/v1/completions", json=body, timeout=120)
 
     with cf.ThreadPoolExecutor(40) as pool:
