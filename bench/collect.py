@@ -9,7 +9,7 @@
 The ratio (1)/(2) is what serving, HTTP and tracing cost the collection (target >= 0.8). One
 engine runs at a time.
 
-    python bench/collect.py [--problems 64] [--group 8] [--concurrency 64] [--config conf/tiny.yaml]
+    python bench/collect.py [--problems 64] [--group 8] [--concurrency 64] [--config conf/tiny.yaml] [KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def serve(config: Path, model: str, root: Path, log: Path) -> tuple[subprocess.Popen, str]:
+def serve(config: Path, model: str, root: Path, log: Path, overrides: list[str] = ()) -> tuple[subprocess.Popen, str]:
     port = _port()
     cmd = [sys.executable, "-m", "loop.cli", "serve", str(config), f"serve.model={model}", f"serve.port={port}",
-           f"serve.trace_root={root}", "serve.admin_token=bench"]
+           f"serve.trace_root={root}", "serve.admin_token=bench", *overrides]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")})
     url = f"http://127.0.0.1:{port}"
@@ -79,6 +79,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--config", type=Path, default=REPO / "conf" / "tiny.yaml")
     ap.add_argument("--cache-dir", default=str(REPO / ".cache" / "flywheel-test"))
+    ap.add_argument("overrides", nargs="*", help="config overrides for both sides, e.g. engine.executor=mp "
+                                                 "serve.trace_durability=interval")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -91,14 +93,14 @@ def main() -> None:
     from rollout.task import make_problems
     from rollout.traces import read_traces
 
-    cfg = load_config(args.config, [f"bootstrap.cache_dir={args.cache_dir}"])
+    cfg = load_config(args.config, [f"bootstrap.cache_dir={args.cache_dir}", *args.overrides])
     base = bootstrap(cfg.bootstrap, cfg.task)
     tok = AutoTokenizer.from_pretrained(base.path)
     problems = make_problems("train", args.problems, seed=123)
     work = Path(tempfile.mkdtemp(prefix="fw-collect-"))
     n = args.problems * args.group
     try:
-        proc, url = serve(args.config, str(base.path), work / "data", work / "server.log")
+        proc, url = serve(args.config, str(base.path), work / "data", work / "server.log", args.overrides)
         try:
             warm = CollectorConfig(base_url=url, group_size=1, progress=False, max_tokens=args.max_tokens)
             collect_sync(problems[:8], tok, warm)

@@ -28,13 +28,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
-import httpx
+import aiohttp
 
 from rollout.episode import parse_assistant, prompt_ids, tool_result_ids
 from rollout.task import Problem, calculator, reward
 
 RETRY_STATUS = (429, 500, 502, 503, 504)
-POOL_SIZE = 8  # connections per HTTP client
 
 
 @dataclass
@@ -118,17 +117,16 @@ class RequestFailed(Exception):
 
 
 async def collect(problems: list[Problem], tokenizer, cfg: CollectorConfig,
-                  client: httpx.AsyncClient | None = None) -> tuple[list[EpisodeResult], CollectStats]:
-    """Play `cfg.group_size` episodes of every problem; results are in (problem, sample) order."""
-    own = client is None
+                  session: aiohttp.ClientSession | None = None) -> tuple[list[EpisodeResult], CollectStats]:
+    """Play `cfg.group_size` episodes of every problem; results are in (problem, sample) order.
+
+    The HTTP client is aiohttp: measured against the server, 0.25 ms of client CPU per request
+    versus httpx's 1.0 ms, and on a small machine the client shares cores with the engine.
+    """
+    own = session is None
     if own:
-        # httpcore's pool scans every connection per request (quadratic in the pool's size: with
-        # 64 connections it was 70% of the client's CPU), so episodes share small pools instead
-        limits = httpx.Limits(max_connections=POOL_SIZE, max_keepalive_connections=POOL_SIZE)
-        clients = [httpx.AsyncClient(base_url=cfg.base_url, timeout=cfg.request_timeout_s, limits=limits)
-                   for _ in range(-(-cfg.concurrency // POOL_SIZE))]
-    else:
-        clients = [client]
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=cfg.concurrency),
+                                        timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s))
     counters = {"requests": 0, "retries": 0}
     sem = asyncio.Semaphore(cfg.concurrency)
     results = [EpisodeResult(f"{cfg.run_id}-{g}-{s}", g, p, p.messages())
@@ -139,8 +137,7 @@ async def collect(problems: list[Problem], tokenizer, cfg: CollectorConfig,
     async def one(ep: EpisodeResult) -> None:
         async with sem:
             try:
-                c = clients[hash(ep.episode_id) % len(clients)]
-                await asyncio.wait_for(_play(ep, c, tokenizer, cfg, counters), cfg.episode_timeout_s)
+                await asyncio.wait_for(_play(ep, session, tokenizer, cfg, counters), cfg.episode_timeout_s)
             except asyncio.TimeoutError:
                 ep.status, ep.error = "timeout", f"episode ran past {cfg.episode_timeout_s} s"
             except RequestFailed as e:
@@ -154,8 +151,7 @@ async def collect(problems: list[Problem], tokenizer, cfg: CollectorConfig,
     finally:
         bar.close()
         if own:
-            for c in clients:
-                await c.aclose()
+            await session.close()
     ok = sum(ep.status == "ok" for ep in results)
     stats = CollectStats(episodes=len(results), episodes_ok=ok, episodes_failed=len(results) - ok,
                          requests=counters["requests"], retries=counters["retries"],
@@ -168,7 +164,7 @@ def collect_sync(problems: list[Problem], tokenizer, cfg: CollectorConfig) -> tu
     return asyncio.run(collect(problems, tokenizer, cfg))
 
 
-async def _play(ep: EpisodeResult, client: httpx.AsyncClient, tokenizer, cfg: CollectorConfig, counters) -> None:
+async def _play(ep: EpisodeResult, client: aiohttp.ClientSession, tokenizer, cfg: CollectorConfig, counters) -> None:
     eos = tokenizer.eos_token_id
     prompt = prompt_ids(tokenizer, ep.problem.messages())
     for turn in range(cfg.max_turns):
@@ -193,7 +189,7 @@ async def _play(ep: EpisodeResult, client: httpx.AsyncClient, tokenizer, cfg: Co
         await _post(client, cfg, "/v1/feedback", body, counters)
 
 
-async def _complete(client: httpx.AsyncClient, cfg: CollectorConfig, prompt: list[int], episode_id: str, turn: int,
+async def _complete(client: aiohttp.ClientSession, cfg: CollectorConfig, prompt: list[int], episode_id: str, turn: int,
                     counters) -> TurnResult:
     body = {"model": cfg.model, "prompt": prompt, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature,
             "top_p": 1.0, "top_k": 0, "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
@@ -211,9 +207,20 @@ async def _complete(client: httpx.AsyncClient, cfg: CollectorConfig, prompt: lis
                       weight_version=int(version) if version is not None else None, attempts=attempts)
 
 
-async def _post(client: httpx.AsyncClient, cfg: CollectorConfig, path: str, body: dict, counters
-                ) -> tuple[httpx.Response, int]:
-    """POST with retries of transport errors, 429 and 5xx; other 4xx fail at once."""
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    headers: dict[str, str]  # lower-case names
+    body: bytes
+
+    def json(self):
+        return json.loads(self.body)
+
+
+async def _post(client: aiohttp.ClientSession, cfg: CollectorConfig, path: str, body: dict, counters
+                ) -> tuple[Reply, int]:
+    """POST with retries of transport errors, timeouts, 429 and 5xx; other 4xx fail at once."""
+    url = cfg.base_url.rstrip("/") + path
     last = ""
     for attempt in range(cfg.max_retries + 1):
         if attempt:
@@ -221,16 +228,17 @@ async def _post(client: httpx.AsyncClient, cfg: CollectorConfig, path: str, body
         counters["requests"] += 1
         wait = cfg.retry_backoff_s * 2 ** attempt * (0.5 + random.random())
         try:
-            r = await client.post(path, json=body)
-        except httpx.TransportError as e:
+            async with client.post(url, json=body) as resp:
+                r = Reply(resp.status, {k.lower(): v for k, v in resp.headers.items()}, await resp.read())
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             last = f"{type(e).__name__}: {e}"
         else:
-            if r.status_code == 200:
+            if r.status == 200:
                 return r, attempt + 1
-            last = f"HTTP {r.status_code}: {r.text[:200]}"
-            if r.status_code not in RETRY_STATUS:
+            last = f"HTTP {r.status}: {r.body[:200].decode(errors='replace')}"
+            if r.status not in RETRY_STATUS:
                 break
-            if r.status_code == 429 and r.headers.get("retry-after", "").replace(".", "", 1).isdigit():
+            if r.status == 429 and r.headers.get("retry-after", "").replace(".", "", 1).isdigit():
                 wait = float(r.headers["retry-after"])
         if attempt < cfg.max_retries:
             await asyncio.sleep(wait)

@@ -1,5 +1,5 @@
-"""The collector's protocol and failure handling against a fake endpoint (httpx.MockTransport: the
-leaf is faked, the tokenizer and task are real). It plays the ideal episode, token-in/token-out,
+"""The collector's protocol and failure handling against a fake endpoint (a real aiohttp server on
+localhost whose handler is faked; the tokenizer and task are real). It plays the ideal episode, token-in/token-out,
 and injects 503s, 429s, dropped connections, a 400 and a stalled request. The real server is
 exercised in tests/rollout/server/test_collector_e2e.py."""
 
@@ -9,8 +9,8 @@ import asyncio
 import json
 import uuid
 
-import httpx
 import pytest
+from aiohttp import web
 
 from rollout.collector import CollectorConfig, collect
 from rollout.episode import prompt_ids, tool_result_ids
@@ -26,21 +26,22 @@ class FakeEndpoint:
         self.feedback: list[dict] = []
         self.sent: dict[tuple[str, int], dict] = {}  # (episode, turn) -> the response sent last
 
-    async def __call__(self, request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        if request.url.path == "/v1/feedback":
+    async def __call__(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if request.path == "/v1/feedback":
             self.feedback.append(body)
-            return httpx.Response(200, json={"feedback_id": "f", "trace_id": body["trace_id"]})
+            return web.json_response({"feedback_id": "f", "trace_id": body["trace_id"]})
         key = (body["episode_id"], body["turn"])
         fault = (self.faults.get(key) or [None]).pop(0) if self.faults.get(key) else None
         if fault == "503":
-            return httpx.Response(503, json={"error": "busy"})
+            return web.json_response({"error": "busy"}, status=503)
         if fault == "429":
-            return httpx.Response(429, headers={"retry-after": "0"}, json={"error": "queue full"})
-        if fault == "drop":
-            raise httpx.ConnectError("connection reset")
+            return web.json_response({"error": "queue full"}, status=429, headers={"retry-after": "0"})
+        if fault == "drop":  # the connection closes with no answer
+            request.transport.close()
+            return web.Response()
         if fault == "400":
-            return httpx.Response(400, json={"error": "bad"})
+            return web.json_response({"error": "bad"}, status=400)
         if fault == "stall":
             await asyncio.sleep(30)
         assert body["top_p"] == 1.0 and body["top_k"] == 0 and body["logprobs"] == 0 and body["return_token_ids"]
@@ -58,18 +59,31 @@ class FakeEndpoint:
         trace_id = uuid.uuid4().hex
         self.sent[key] = {"prompt": prompt, "ids": ids, "lps": lps, "trace_id": trace_id}
         self.log.append({"key": key, "trace_id": trace_id})
-        return httpx.Response(200, headers={"x-flywheel-trace-id": trace_id, "x-flywheel-weight-version": "3"},
-                              json={"choices": [{"index": 0, "text": out, "token_ids": ids, "finish_reason": "stop",
-                                                 "logprobs": {"token_logprobs": lps}}]})
+        return web.json_response({"choices": [{"index": 0, "text": out, "token_ids": ids, "finish_reason": "stop",
+                                               "logprobs": {"token_logprobs": lps}}]},
+                                 headers={"x-flywheel-trace-id": trace_id, "x-flywheel-weight-version": "3"})
 
 
 def _run(tok, faults, **cfg_kw):
     problems = make_problems("train", 2, seed=5)
     fake = FakeEndpoint(tok, faults)
-    cfg = CollectorConfig(base_url="http://fake", group_size=3, run_id="r", progress=False, retry_backoff_s=0.0,
-                          **cfg_kw)
-    client = httpx.AsyncClient(base_url=cfg.base_url, transport=httpx.MockTransport(fake))
-    results, stats = asyncio.run(collect(problems, tok, cfg, client=client))
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/{route}", fake)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0, shutdown_timeout=0.1)
+        await site.start()
+        port = runner.addresses[0][1]
+        cfg = CollectorConfig(base_url=f"http://127.0.0.1:{port}", group_size=3, run_id="r", progress=False,
+                              retry_backoff_s=0.0, **cfg_kw)
+        try:
+            return await collect(problems, tok, cfg)
+        finally:
+            await runner.cleanup()
+
+    results, stats = asyncio.run(main())
     return problems, fake, results, stats
 
 
