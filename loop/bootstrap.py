@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from loop.files import file_sha256
 from trainers.bootstrap.model import ModelConfig
 from trainers.bootstrap.sft import SFTConfig
 
@@ -72,7 +73,7 @@ def cache_key(cfg: BootstrapConfig, task: TaskConfig) -> str:
 
 
 def sha256_files(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+    return {p.name: file_sha256(p)
             for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
 
 

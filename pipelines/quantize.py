@@ -15,7 +15,6 @@ plan, the sha256 of every file and the parent; quantizing the latent weights of 
 bit for bit the tensors its `convert` step holds.
 """
 
-import hashlib
 import json
 import os
 import shutil
@@ -34,6 +33,7 @@ from torch import nn
 
 from kernels import QuantizedLinear, QuantSpec, compress_weight, quant_targets
 from kernels.layers import check_fused, ignore_list, linear_names
+from loop.files import file_sha256
 
 MANIFEST_NAME = "quant_manifest.json"
 SCHEMA_VERSION = 1
@@ -88,14 +88,6 @@ def quantization_config(spec: QuantSpec, ignore: list[str]) -> dict:
             TRANSFORM_CONFIG_NAME: {}, **config.model_dump(exclude=["quant_method"])}
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _staging(dst: Path, overwrite: bool) -> Path:
     if dst.exists() and not overwrite:
         raise FileExistsError(f"{dst} exists (pass overwrite=True to replace it)")
@@ -115,7 +107,7 @@ def _finish(tmp: Path, dst: Path, config: dict, spec: QuantSpec, quantized: list
             ignore: list[str], parent: str | None) -> QuantizedCheckpoint:
     config[QUANTIZATION_CONFIG_NAME] = quantization_config(spec, ignore)
     (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    files = tuple(sorted((p.relative_to(tmp).as_posix(), _sha256(p)) for p in tmp.rglob("*") if p.is_file()))
+    files = tuple(sorted((p.relative_to(tmp).as_posix(), file_sha256(p)) for p in tmp.rglob("*") if p.is_file()))
     manifest = QuantizedCheckpoint(str(dst.resolve()), spec, spec.format, tuple(quantized), tuple(ignore), files, parent)
     (tmp / MANIFEST_NAME).write_text(json.dumps(manifest.to_dict(), indent=2) + "\n")
     for f in tmp.iterdir():

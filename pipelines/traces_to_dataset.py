@@ -34,6 +34,7 @@ from pipelines.dataset.assemble import (READ_COLUMNS, EpisodeTokens, TokenColumn
                                        first_prompts, order_episodes)
 from pipelines.dataset.manifest import (DATASET_SCHEMA, DatasetConfig, RLDatasetManifest, TraceWindow,
                                         load_manifest, save_manifest)
+from loop.files import file_sha256
 from pipelines.rewards import EpisodeRecord, load_fn, score
 from rollout.traces import Feedback, read_feedback, read_traces
 
@@ -100,7 +101,7 @@ def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
         writers["heldout"].write(out.filter(held))
 
     counts = {s: w.close() for s, w in writers.items()}
-    files = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*.parquet"))}
+    files = {str(p.relative_to(tmp)): file_sha256(p) for p in sorted(tmp.rglob("*.parquet"))}
     manifest = RLDatasetManifest(
         path=str(cfg.out_dir), parent=TraceWindow(str(cfg.trace_root), cfg.dates, cfg.weight_versions),
         rows_read=table.num_rows, train_episodes=counts["train"], heldout_episodes=counts["heldout"],
@@ -216,10 +217,3 @@ class _Writer:
             os.fsync(f.fileno())
         return self.rows
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

@@ -30,8 +30,8 @@ from typing import Literal
 
 import aiohttp
 
-from rollout.episode import parse_assistant, prompt_ids, tool_result_ids
-from rollout.task import Problem, calculator, reward
+from rollout.episode import agent_step, prompt_ids, tool_result_ids
+from rollout.task import Problem, reward
 
 RETRY_STATUS = (429, 500, 502, 503, 504)
 
@@ -165,21 +165,14 @@ def collect_sync(problems: list[Problem], tokenizer, cfg: CollectorConfig) -> tu
 
 
 async def _play(ep: EpisodeResult, client: aiohttp.ClientSession, tokenizer, cfg: CollectorConfig, counters) -> None:
-    eos = tokenizer.eos_token_id
     prompt = prompt_ids(tokenizer, ep.problem.messages())
     for turn in range(cfg.max_turns):
         t = await _complete(client, cfg, prompt, ep.episode_id, turn, counters)
         ep.turns.append(t)
-        ids = t.token_ids[:-1] if t.token_ids and t.token_ids[-1] == eos else t.token_ids
-        msg = parse_assistant(tokenizer.decode(ids, skip_special_tokens=False))
+        msg, result = agent_step(tokenizer, t.token_ids, t.finish_reason)
         ep.messages.append(msg)
-        if t.finish_reason != "stop" or not msg["tool_calls"]:
+        if result is None:
             break
-        fn = msg["tool_calls"][0]["function"]
-        try:
-            result = calculator(json.loads(fn["arguments"])["expression"])
-        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
-            result = f"error: {e}"
         ep.messages.append({"role": "tool", "tool_call_id": "call_0", "content": result})
         prompt = prompt + t.token_ids + tool_result_ids(tokenizer, result)
     ep.reward = reward(ep.problem, ep.messages)

@@ -93,6 +93,20 @@ def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
+def agent_step(tokenizer, token_ids: list[int], finish_reason: str) -> tuple[dict, str | None]:
+    """The agent's side of one sampled turn: the assistant message it parses, and the calculator's
+    result when the turn is a finished tool call (None: the episode ends here)."""
+    eos = tokenizer.eos_token_id
+    ids = token_ids[:-1] if token_ids and token_ids[-1] == eos else token_ids
+    msg = parse_assistant(tokenizer.decode(ids, skip_special_tokens=False))
+    if finish_reason != "stop" or not msg["tool_calls"]:
+        return msg, None
+    try:
+        return msg, calculator(json.loads(msg["tool_calls"][0]["function"]["arguments"])["expression"])
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+        return msg, f"error: {e}"
+
+
 def run_episodes(
     problems: list[Problem],
     tokenizer,
@@ -103,7 +117,6 @@ def run_episodes(
     max_turns: int = 2,
 ) -> list[Episode]:
     """Play one episode per problem, batching each turn across the episodes still running."""
-    eos = tokenizer.eos_token_id
     episodes = [Episode(p, p.messages()) for p in problems]
     prompts = [prompt_ids(tokenizer, p.messages()) for p in problems]
     for _ in range(max_turns):
@@ -114,17 +127,11 @@ def run_episodes(
         for i, out in zip(live, outs):
             ep = episodes[i]
             ep.turns.append(Turn(prompts[i], out))
-            ids = out.token_ids[:-1] if out.token_ids and out.token_ids[-1] == eos else out.token_ids
-            msg = parse_assistant(tokenizer.decode(ids, skip_special_tokens=False))
+            msg, result = agent_step(tokenizer, out.token_ids, out.finish_reason)
             ep.messages.append(msg)
-            if out.finish_reason != "stop" or not msg["tool_calls"]:
+            if result is None:
                 ep.done = True
                 continue
-            fn = msg["tool_calls"][0]["function"]
-            try:
-                result = calculator(json.loads(fn["arguments"])["expression"])
-            except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
-                result = f"error: {e}"
             ep.messages.append({"role": "tool", "tool_call_id": "call_0", "content": result})
             prompts[i] = prompts[i] + list(out.token_ids) + tool_result_ids(tokenizer, result)
     for ep in episodes:

@@ -31,6 +31,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from loop.files import file_sha256
 from rollout.server.engine import TracingEngine, WeightState
 from rollout.server.tracing import quant_format, stack_fingerprint
 
@@ -49,19 +50,11 @@ class SwapError(Exception):
         self.status, self.message, self.restored = status, message, restored
 
 
-def _sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def checkpoint_sha256(folder: str | Path) -> str:
     """One hash for the weights: sha256 over the sorted (name, sha256) of the safetensors files."""
     folder = Path(folder)
     files = sorted(folder.glob("*.safetensors"))
-    return hashlib.sha256("".join(f"{p.name}:{_sha(p)}\n" for p in files).encode()).hexdigest()
+    return hashlib.sha256("".join(f"{p.name}:{file_sha256(p)}\n" for p in files).encode()).hexdigest()
 
 
 def check_folder(new: str | Path, current: str | Path, same_quant: bool = True) -> str:
@@ -78,7 +71,7 @@ def check_folder(new: str | Path, current: str | Path, same_quant: bool = True) 
     for name, digest in recorded.items():
         if not (new / name).is_file():
             raise SwapError(400, f"{new}: manifest lists {name}, which is missing")
-        if _sha(new / name) != digest:
+        if file_sha256(new / name) != digest:
             raise SwapError(400, f"{new}: {name} does not match its manifest sha256")
     try:
         cn, cc = (json.loads((p / "config.json").read_text()) for p in (new, current))
@@ -90,7 +83,7 @@ def check_folder(new: str | Path, current: str | Path, same_quant: bool = True) 
                         ", ".join(f"{k}: {cc.get(k)!r} -> {cn.get(k)!r}" for k in diff))
     for name in TOKENIZER_FILES:
         a, b = new / name, current / name
-        if a.is_file() != b.is_file() or (a.is_file() and _sha(a) != _sha(b)):
+        if a.is_file() != b.is_file() or (a.is_file() and file_sha256(a) != file_sha256(b)):
             raise SwapError(409, f"tokenizer differs from the serving model ({name})")
     qn, qc = quant_format(str(new)), quant_format(str(current))
     if same_quant and qn != qc:

@@ -9,7 +9,6 @@ import pytest
 
 import pipelines.rewards as rewards
 from pipelines.rewards import EpisodeRecord, combine, load_fn, score, task_ground_truth, task_reward
-from rollout.episode import prompt_ids
 from rollout.task import TOOLS, demonstration, make_problems
 from rollout.traces import Feedback
 

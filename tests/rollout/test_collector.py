@@ -6,7 +6,6 @@ exercised in tests/rollout/server/test_collector_e2e.py."""
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 
 import pytest
