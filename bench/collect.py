@@ -7,7 +7,8 @@
    `run_episodes` (each turn one batched `generate` call across all live episodes: the engine's
    best case). Episodes/s.
 The ratio (1)/(2) is what serving, HTTP and tracing cost the collection (target >= 0.8). One
-engine runs at a time.
+engine runs at a time: with the offline engine up in this process during the HTTP phase,
+collection ran ~35% slower (measured), so the phases are sequential; run it a few times.
 
     python bench/collect.py [--problems 64] [--group 8] [--concurrency 64] [--config conf/tiny.yaml] [KEY=VALUE ...]
 """
@@ -79,7 +80,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--config", type=Path, default=REPO / "conf" / "tiny.yaml")
     ap.add_argument("--cache-dir", default=str(REPO / ".cache" / "flywheel-test"))
-    ap.add_argument("overrides", nargs="*", help="config overrides for both sides, e.g. engine.executor=mp "
+    ap.add_argument("overrides", nargs="*", help="config overrides for both sides, e.g. "
                                                  "serve.trace_durability=interval")
     args = ap.parse_args()
 
