@@ -6,15 +6,16 @@ Each problem is played `group_size` times (a GRPO group), each episode as in `ro
 but over HTTP: `POST /v1/completions` with token-id prompts, so turn k+1's prompt is exactly turn
 k's prompt + the sampled ids + the rendered tool result, and nothing is re-tokenized. Sampling is
 top-p 1 and no top-k, so the logged logprobs are those of the sampling distribution. Every request
-carries `episode_id`/`turn`; the episode's reward goes to `POST /v1/feedback` (on the last turn's
-trace, with `episode_id`), so the trace store holds everything the dataset build needs.
+carries `episode_id`/`turn`; the episodes' rewards go to `POST /v1/feedback` (each on its last
+turn's trace, with `episode_id`; one array per group, once the group has finished), so the trace
+store holds everything the dataset build needs.
 
 Failure handling (the invariants the dataset build relies on):
 - a failed request (connection error, timeout, 429, 5xx) is retried with the same episode_id and
   turn; the server logs every attempt, and the dataset keeps the latest attempt of each turn, the
   one this client continued from (`duplicate_turn` counts the others);
-- an episode that runs past `episode_timeout_s`, or whose retries run out, is abandoned: it gets
-  no feedback, so a build with `pipelines.rewards:feedback_reward` drops it as "missing_reward";
+- an episode that runs past `episode_timeout_s`, or whose retries run out (its group's feedback
+  post included), is abandoned: it gets no feedback, so a build with `pipelines.rewards:feedback_reward` drops it as "missing_reward";
 - each (problem, sample) yields exactly one `EpisodeResult`, ok or not: nothing is counted twice.
 """
 
@@ -134,6 +135,9 @@ async def collect(problems: list[Problem], tokenizer, cfg: CollectorConfig,
     bar = _progress(len(results), cfg.progress)
     t0 = time.perf_counter()
 
+    left = [cfg.group_size] * len(problems)  # episodes of each group still playing
+    finished: list[list[EpisodeResult]] = [[] for _ in problems]  # ok episodes awaiting their group
+
     async def one(ep: EpisodeResult) -> None:
         async with sem:  # a slot per episode while it samples
             try:
@@ -142,17 +146,14 @@ async def collect(problems: list[Problem], tokenizer, cfg: CollectorConfig,
                 ep.status, ep.error = "timeout", f"episode ran past {cfg.episode_timeout_s} s"
             except RequestFailed as e:
                 ep.status, ep.error = "error", str(e)
-        # the reward goes out after the slot is freed: it waits on the feedback table's commit, not
-        # on the engine (posting feedback at all costs ~13% of episodes/s on 2 cores, measured)
-        if ep.status == "ok" and cfg.post_feedback:
-            body = {"trace_id": ep.turns[-1].trace_id, "episode_id": ep.episode_id, "reward": ep.reward,
-                    "source": cfg.feedback_source}
-            try:
-                await _post(session, cfg, "/v1/feedback", body, counters)
-            except RequestFailed as e:
-                ep.status, ep.error = "error", str(e)
-        if ep.status != "ok":
-            ep.reward = None
+        if ep.status == "ok":
+            finished[ep.group].append(ep)
+        left[ep.group] -= 1
+        if left[ep.group] == 0 and cfg.post_feedback and finished[ep.group]:
+            # the group's rewards in one request, after the slots are freed: feedback waits on the
+            # feedback table's commit, not the engine, and one post per episode cost ~13% of
+            # episodes/s on 2 cores (measured)
+            await _post_rewards(session, cfg, finished[ep.group], counters)
         bar.update(1)
 
     try:
@@ -161,6 +162,9 @@ async def collect(problems: list[Problem], tokenizer, cfg: CollectorConfig,
         bar.close()
         if own:
             await session.close()
+    for ep in results:
+        if ep.status != "ok":
+            ep.reward = None
     ok = sum(ep.status == "ok" for ep in results)
     stats = CollectStats(episodes=len(results), episodes_ok=ok, episodes_failed=len(results) - ok,
                          requests=counters["requests"], retries=counters["retries"],
@@ -205,6 +209,19 @@ async def _complete(client: aiohttp.ClientSession, cfg: CollectorConfig, prompt:
                       weight_version=int(version) if version is not None else None, attempts=attempts)
 
 
+async def _post_rewards(client: aiohttp.ClientSession, cfg: CollectorConfig, episodes: list[EpisodeResult],
+                        counters) -> None:
+    """The episodes' rewards to /v1/feedback, one array (on each last turn's trace, with episode_id);
+    if it cannot be posted, the episodes are abandoned like any failed one."""
+    body = [{"trace_id": ep.turns[-1].trace_id, "episode_id": ep.episode_id, "reward": ep.reward,
+             "source": cfg.feedback_source} for ep in episodes]
+    try:
+        await _post(client, cfg, "/v1/feedback", body, counters)
+    except RequestFailed as e:
+        for ep in episodes:
+            ep.status, ep.error = "error", str(e)
+
+
 @dataclass(frozen=True)
 class Reply:
     status: int
@@ -215,7 +232,7 @@ class Reply:
         return json.loads(self.body)
 
 
-async def _post(client: aiohttp.ClientSession, cfg: CollectorConfig, path: str, body: dict, counters
+async def _post(client: aiohttp.ClientSession, cfg: CollectorConfig, path: str, body: dict | list, counters
                 ) -> tuple[Reply, int]:
     """POST with retries of transport errors, timeouts, 429 and 5xx; other 4xx fail at once."""
     url = cfg.base_url.rstrip("/") + path

@@ -1,5 +1,5 @@
-"""Flywheel's routes beside vLLM's: /metrics, POST /v1/feedback, GET /admin/status,
-POST /admin/flush, POST /admin/weights.
+"""Flywheel's routes beside vLLM's: /metrics, POST /v1/feedback (one object or an array),
+GET /admin/status, POST /admin/flush, POST /admin/weights.
 
 The admin API takes `Authorization: Bearer <token>` (serve.admin_token, else the env var named by
 serve.admin_token_env): 401 without a bearer token, 403 with a wrong one (or when no token is
@@ -18,6 +18,8 @@ from rollout.server.swap import SwapError
 from rollout.traces import Feedback
 
 log = logging.getLogger("flywheel.server")
+FEEDBACK_FIELDS = {"trace_id", "reward", "rating", "comment", "source", "episode_id"}
+MAX_FEEDBACK_BATCH = 1000
 
 
 def add_routes(app, st) -> None:
@@ -36,21 +38,29 @@ def add_routes(app, st) -> None:
 
     @app.post("/v1/feedback")
     async def feedback(request: Request):
+        """One feedback object, or a JSON array of up to MAX_FEEDBACK_BATCH of them (all or none)."""
         try:
             body = await request.json()
         except ValueError:
-            return _err(400, "body must be JSON: {trace_id, reward?, rating?, comment?, source?, episode_id?}")
-        if not isinstance(body, dict):
-            return _err(400, "body must be a JSON object")
-        allowed = {"trace_id", "reward", "rating", "comment", "source", "episode_id"}
-        if unknown := set(body) - allowed:
-            return _err(400, f"unknown fields {sorted(unknown)}; allowed: {sorted(allowed)}")
-        try:
-            fb = Feedback(**body)
-        except (TypeError, ValueError) as e:
-            return _err(400, str(e))
-        await st.feedback.append(fb)
-        return {"feedback_id": fb.feedback_id, "trace_id": fb.trace_id}
+            return _err(400, "body must be JSON: {trace_id, reward?, rating?, comment?, source?, episode_id?} "
+                             "or an array of them")
+        items = body if isinstance(body, list) else [body]
+        if not items or len(items) > MAX_FEEDBACK_BATCH:
+            return _err(400, f"a feedback array holds 1..{MAX_FEEDBACK_BATCH} objects, got {len(items)}")
+        fbs = []
+        for i, item in enumerate(items):
+            where = f"item {i}: " if isinstance(body, list) else ""
+            if not isinstance(item, dict):
+                return _err(400, f"{where}feedback must be a JSON object")
+            if unknown := set(item) - FEEDBACK_FIELDS:
+                return _err(400, f"{where}unknown fields {sorted(unknown)}; allowed: {sorted(FEEDBACK_FIELDS)}")
+            try:
+                fbs.append(Feedback(**item))
+            except (TypeError, ValueError) as e:
+                return _err(400, f"{where}{e}")
+        await st.feedback.append_many(fbs)
+        out = [{"feedback_id": fb.feedback_id, "trace_id": fb.trace_id} for fb in fbs]
+        return {"data": out} if isinstance(body, list) else out[0]
 
     def _auth(request: Request) -> JSONResponse | None:
         token = st.cfg.resolved_admin_token()

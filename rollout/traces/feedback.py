@@ -96,6 +96,14 @@ class FeedbackStore:
         self._log.put(feedback.to_row(), (loop, fut))
         await fut
 
+    async def append_many(self, feedbacks: list[Feedback]) -> None:
+        """Returns once every one of `feedbacks` is fsynced to the WAL (one group commit for all)."""
+        loop = asyncio.get_running_loop()
+        futs = [loop.create_future() for _ in feedbacks]
+        for fb, fut in zip(feedbacks, futs):
+            self._log.put(fb.to_row(), (loop, fut))
+        await asyncio.gather(*futs)
+
     def append_sync(self, feedback: Feedback) -> None:
         waiter = SyncWaiter()
         self._log.put(feedback.to_row(), waiter)

@@ -22,16 +22,21 @@ class FakeEndpoint:
     def __init__(self, tok, faults: dict[tuple[str, int], list[str]]):
         self.tok, self.faults = tok, faults
         self.log: list[dict] = []  # every completions attempt that reached the "engine"
-        self.feedback: list[dict] = []
+        self.feedback: list[dict] = []  # every reward posted
+        self.feedback_posts: list[list[dict]] = []  # the arrays they came in
         self.sent: dict[tuple[str, int], dict] = {}  # (episode, turn) -> the response sent last
 
     async def __call__(self, request: web.Request) -> web.Response:
         body = await request.json()
-        if request.path == "/v1/feedback":
-            self.feedback.append(body)
-            return web.json_response({"feedback_id": "f", "trace_id": body["trace_id"]})
-        key = (body["episode_id"], body["turn"])
+        if request.path == "/v1/feedback":  # one array per group: key ("feedback", "<run>-<group>")
+            key = ("feedback", body[0]["episode_id"].rsplit("-", 1)[0])
+        else:
+            key = (body["episode_id"], body["turn"])
         fault = (self.faults.get(key) or [None]).pop(0) if self.faults.get(key) else None
+        if request.path == "/v1/feedback" and fault is None:
+            self.feedback_posts.append(body)
+            self.feedback += body
+            return web.json_response({"data": [{"feedback_id": "f", "trace_id": f["trace_id"]} for f in body]})
         if fault == "503":
             return web.json_response({"error": "busy"}, status=503)
         if fault == "429":
@@ -89,7 +94,7 @@ def _run(tok, faults, **cfg_kw):
 def test_episodes_are_token_in_token_out_and_rewarded_once(tiny_tokenizer):
     problems, fake, results, stats = _run(tiny_tokenizer, {})
     assert [r.episode_id for r in results] == [f"r-{g}-{s}" for g in range(2) for s in range(3)]
-    assert stats.episodes == stats.episodes_ok == 6 and stats.requests == 12 + 6 and stats.retries == 0
+    assert stats.episodes == stats.episodes_ok == 6 and stats.requests == 12 + 2 and stats.retries == 0
     for r in results:
         assert r.status == "ok" and r.reward == 1.0 and r.problem is problems[r.group]
         t0, t1 = r.turns
@@ -101,12 +106,14 @@ def test_episodes_are_token_in_token_out_and_rewarded_once(tiny_tokenizer):
     assert sorted(f["episode_id"] for f in fake.feedback) == sorted(r.episode_id for r in results)
     assert all(f["trace_id"] == fake.sent[(f["episode_id"], 1)]["trace_id"] and f["reward"] == 1.0
                for f in fake.feedback)
+    assert sorted(sorted(f["episode_id"] for f in post) for post in fake.feedback_posts) == \
+        [[f"r-{g}-{s}" for s in range(3)] for g in range(2)]  # one array per group
 
 
 def test_retries_keep_the_episode_once_and_continue_from_the_last_attempt(tiny_tokenizer):
     faults = {("r-0-0", 0): ["503", "429"], ("r-0-1", 1): ["drop"], ("r-1-2", 0): ["drop", "503"]}
     _, fake, results, stats = _run(tiny_tokenizer, faults)
-    assert stats.episodes_ok == 6 and stats.retries == 5 and stats.requests == 12 + 6 + 5
+    assert stats.episodes_ok == 6 and stats.retries == 5 and stats.requests == 12 + 2 + 5
     assert [t.attempts for t in results[0].turns] == [3, 1] and [t.attempts for t in results[1].turns] == [1, 2]
     assert len(fake.feedback) == 6 and len({f["episode_id"] for f in fake.feedback}) == 6
 
@@ -121,6 +128,15 @@ def test_failures_and_timeouts_abandon_the_episode_without_feedback(tiny_tokeniz
     assert all(r.reward is None for r in results if r.status != "ok")
     assert {f["episode_id"] for f in fake.feedback} == {"r-0-2", "r-1-1", "r-1-2"}
     assert stats.episodes_failed == 3 and stats.episodes == 6
+
+
+def test_a_group_whose_rewards_cannot_be_posted_is_abandoned(tiny_tokenizer):
+    faults = {("feedback", "r-1"): ["503"] * 3}  # group 1's array fails past its retries
+    _, fake, results, stats = _run(tiny_tokenizer, faults, max_retries=2)
+    assert [r.status for r in results] == ["ok"] * 3 + ["error"] * 3
+    assert all(r.reward is None and "HTTP 503" in r.error for r in results[3:])
+    assert {f["episode_id"] for f in fake.feedback} == {"r-0-0", "r-0-1", "r-0-2"}
+    assert stats.episodes_failed == 3 and stats.requests == 12 + 1 + 3 and stats.retries == 2
 
 
 @pytest.mark.parametrize("change, field", [

@@ -209,9 +209,18 @@ def test_feedback_lands_in_the_feedback_table(srv_main, srv_client):
                 {"trace_id": trace_id, "reward": 1, "extra": 1}):
         assert httpx.post(srv_main.url + "/v1/feedback", json=bad).status_code == 400
     assert httpx.post(srv_main.url + "/v1/feedback", content=b"{x").status_code == 400
+    # an array is all or nothing: one bad item refuses the whole batch, naming the item
+    batch = [{"trace_id": trace_id, "rating": 1, "source": "user"}, {"trace_id": trace_id, "reward": 0.5}]
+    bad = httpx.post(srv_main.url + "/v1/feedback", json=batch + [{"trace_id": trace_id, "reward": "x"}])
+    assert bad.status_code == 400 and "item 2" in bad.json()["error"]["message"]
+    for empty in ([], [{}] * 1001):
+        assert httpx.post(srv_main.url + "/v1/feedback", json=empty).status_code == 400
+    ok = httpx.post(srv_main.url + "/v1/feedback", json=batch)
+    assert ok.status_code == 200 and [x["trace_id"] for x in ok.json()["data"]] == [trace_id] * 2
     srv_main.flush()
     rows = read_feedback(srv_main.trace_root).to_pylist()
-    assert [(x["reward"], x["source"]) for x in rows if x["trace_id"] == trace_id] == [(1.0, "env:calc")]
+    got = [(x["reward"], x["rating"], x["source"]) for x in rows if x["trace_id"] == trace_id]
+    assert sorted(got, key=repr) == sorted([(1.0, None, "env:calc"), (None, 1, "user"), (0.5, None, "user")], key=repr)
 
 
 def test_metrics_have_vllm_and_flywheel_series(srv_main, srv_client):
