@@ -91,10 +91,7 @@ class FeedbackStore:
 
     async def append(self, feedback: Feedback) -> None:
         """Returns once `feedback` is fsynced to the WAL."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._log.put(feedback.to_row(), (loop, fut))
-        await fut
+        await self.append_many([feedback])
 
     async def append_many(self, feedbacks: list[Feedback]) -> None:
         """Returns once every one of `feedbacks` is fsynced to the WAL (one group commit for all)."""

@@ -1,6 +1,7 @@
 """The collector's protocol and failure handling against a fake endpoint (a real aiohttp server on
-localhost whose handler is faked; the tokenizer and task are real). It plays the ideal episode, token-in/token-out,
-and injects 503s, 429s, dropped connections, a 400 and a stalled request. The real server is
+localhost whose handler is faked; the tokenizer and task are real). It plays the ideal episode,
+token-in/token-out, and injects 503s, 429s, dropped connections, a 400, a stalled request and a
+failed feedback post. The real server is
 exercised in tests/rollout/server/test_collector_e2e.py."""
 
 from __future__ import annotations
