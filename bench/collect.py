@@ -8,9 +8,11 @@
    best case). Episodes/s.
 The ratio (1)/(2) is what serving, HTTP and tracing cost the collection (target >= 0.8). One
 engine runs at a time: with the offline engine up in this process during the HTTP phase,
-collection ran ~35% slower (measured), so the phases are sequential; run it a few times.
+collection ran ~35% slower (measured), so the phases are sequential. Each phase times `--rounds`
+rounds after a warm-up and compares the medians: on 2 shared cores single rounds of one phase
+spread 25-85 episodes/s.
 
-    python bench/collect.py [--problems 64] [--group 8] [--concurrency 64] [--config conf/tiny.yaml] [KEY=VALUE ...]
+    python bench/collect.py [--problems 64] [--group 8] [--concurrency 64] [--rounds 3] [--config conf/tiny.yaml] [KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds per phase; the median is compared")
     ap.add_argument("--config", type=Path, default=REPO / "conf" / "tiny.yaml")
     ap.add_argument("--cache-dir", default=str(REPO / ".cache" / "flywheel-test"))
     ap.add_argument("overrides", nargs="*", help="config overrides for both sides, e.g. "
@@ -105,28 +108,34 @@ def main() -> None:
         try:
             warm = CollectorConfig(base_url=url, group_size=1, progress=False, max_tokens=args.max_tokens)
             collect_sync(problems[:8], tok, warm)
-            ccfg = CollectorConfig(base_url=url, group_size=args.group, concurrency=args.concurrency,
-                                   max_tokens=args.max_tokens, progress=False)
-            results, stats = collect_sync(problems, tok, ccfg)
+            rounds = [collect_sync(problems, tok, CollectorConfig(  # a fresh run_id (episode ids) per round
+                base_url=url, group_size=args.group, concurrency=args.concurrency, max_tokens=args.max_tokens,
+                progress=False)) for _ in range(args.rounds)]
+            results, stats = sorted(rounds, key=lambda r: r[1].episodes_per_s)[len(rounds) // 2]
             httpx.post(url + "/admin/flush", timeout=60, headers={"authorization": "Bearer bench"})
         finally:
             stop(proc)
         traces = read_traces(work / "data", columns=["episode_id"]).num_rows
         ok = [r for r in results if r.status == "ok"]
-        print(f"[collect] {n} episodes ({len(ok)} ok, {stats.retries} retries, {stats.requests} requests) "
+        print("[collect] rounds: " + ", ".join(f"{s.episodes_per_s:.1f}" for _, s in rounds) + " episodes/s")
+        print(f"[collect] median round: {n} episodes ({len(ok)} ok, {stats.retries} retries, {stats.requests} requests) "
               f"in {stats.seconds:.2f} s: {stats.episodes_per_s:.1f} episodes/s, "
-              f"{stats.tokens_sampled / stats.seconds:.0f} sampled tokens/s; {traces} trace rows; "
+              f"{stats.tokens_sampled / stats.seconds:.0f} sampled tokens/s; {traces} trace rows in all; "
               f"success {sum(r.reward for r in ok) / max(1, len(ok)):.2f}")
 
         llm = make_llm(str(base.path), cfg.engine)
         gen = vllm_generate(llm)
         run_episodes(problems[:8], tok, gen, temperature=1.0, max_tokens=args.max_tokens)  # warm-up
         batch = [p for p in problems for _ in range(args.group)]
-        t = time.perf_counter()
-        eps = run_episodes(batch, tok, gen, temperature=1.0, max_tokens=args.max_tokens)
-        dt = time.perf_counter() - t
+        bare = []
+        for _ in range(args.rounds):
+            t = time.perf_counter()
+            eps = run_episodes(batch, tok, gen, temperature=1.0, max_tokens=args.max_tokens)
+            bare.append((time.perf_counter() - t, eps))
+        print("[engine]  rounds: " + ", ".join(f"{n / dt:.1f}" for dt, _ in bare) + " episodes/s")
+        dt, eps = sorted(bare, key=lambda r: r[0])[len(bare) // 2]
         toks = sum(len(turn.completion.token_ids) for e in eps for turn in e.turns)
-        print(f"[engine]  {n} episodes in {dt:.2f} s: {n / dt:.1f} episodes/s, {toks / dt:.0f} sampled tokens/s; "
+        print(f"[engine]  median round: {n} episodes in {dt:.2f} s: {n / dt:.1f} episodes/s, {toks / dt:.0f} sampled tokens/s; "
               f"success {sum(e.reward for e in eps) / n:.2f}")
         print(f"[ratio]   collection / bare engine = {stats.episodes_per_s / (n / dt):.2f} (episodes/s), "
               f"{(stats.tokens_sampled / stats.seconds) / (toks / dt):.2f} (sampled tokens/s)")
