@@ -9,8 +9,8 @@
 The ratio (1)/(2) is what serving, HTTP and tracing cost the collection (target >= 0.8). One
 engine runs at a time: with the offline engine up in this process during the HTTP phase,
 collection ran ~35% slower (measured), so the phases are sequential. Each phase times `--rounds`
-rounds after a warm-up and compares the medians: on 2 shared cores single rounds of one phase
-spread 25-85 episodes/s.
+rounds after a warm-up and compares the medians: on 2 shared cores single collection rounds
+against one server spread 43-59 episodes/s (measured, 11 rounds).
 
     python bench/collect.py [--problems 64] [--group 8] [--concurrency 64] [--rounds 3] [--config conf/tiny.yaml] [KEY=VALUE ...]
 """
