@@ -18,17 +18,11 @@ against one server spread 43-59 episodes/s (measured, 11 rounds).
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 # `python bench/collect.py` puts bench/ first on sys.path, where bench/kernels.py would shadow the
@@ -36,42 +30,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve(config: Path, model: str, root: Path, log: Path, overrides: list[str] = ()) -> tuple[subprocess.Popen, str]:
-    port = _port()
-    cmd = [sys.executable, "-m", "loop.cli", "serve", str(config), f"serve.model={model}", f"serve.port={port}",
-           f"serve.trace_root={root}", "serve.admin_token=bench", *overrides]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError("server not healthy")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def main() -> None:
@@ -94,6 +52,7 @@ def main() -> None:
     from rollout.collector import CollectorConfig, collect_sync
     from rollout.engine import make_llm, vllm_generate
     from rollout.episode import run_episodes
+    from rollout.server.process import ServerProcess
     from rollout.task import make_problems
     from rollout.traces import read_traces
 
@@ -104,17 +63,15 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="fw-collect-"))
     n = args.problems * args.group
     try:
-        proc, url = serve(args.config, str(base.path), work / "data", work / "server.log", args.overrides)
-        try:
+        with ServerProcess(args.config, base.path, work / "data", work / "server.log", args.overrides) as srv:
+            url = srv.url
             warm = CollectorConfig(base_url=url, group_size=1, progress=False, max_tokens=args.max_tokens)
             collect_sync(problems[:8], tok, warm)
             rounds = [collect_sync(problems, tok, CollectorConfig(  # a fresh run_id (episode ids) per round
                 base_url=url, group_size=args.group, concurrency=args.concurrency, max_tokens=args.max_tokens,
                 progress=False)) for _ in range(args.rounds)]
             results, stats = sorted(rounds, key=lambda r: r[1].episodes_per_s)[len(rounds) // 2]
-            httpx.post(url + "/admin/flush", timeout=60, headers={"authorization": "Bearer bench"})
-        finally:
-            stop(proc)
+            srv.flush()
         traces = read_traces(work / "data", columns=["episode_id"]).num_rows
         ok = [r for r in results if r.status == "ok"]
         print("[collect] rounds: " + ", ".join(f"{s.episodes_per_s:.1f}" for _, s in rounds) + " episodes/s")

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loop.bootstrap import BootstrapConfig, TaskConfig
+from loop.collect import CollectConfig, DatasetPhaseConfig
 from loop.configs import load
 from rollout.engine import EngineConfig
 from rollout.server.config import ServeConfig
@@ -28,6 +29,8 @@ class LoopConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    collect: CollectConfig = field(default_factory=CollectConfig)
+    dataset: DatasetPhaseConfig = field(default_factory=DatasetPhaseConfig)
 
     def __post_init__(self):
         if not self.run_dir:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 from loop.bootstrap import BaseModelManifest, bootstrap, evaluate_with_vllm
+from loop.collect import CollectManifest, collect_phase, dataset_phase, log_collect
 from loop.config import LoopConfig
 
-PHASES_NOT_YET_BUILT = ("collect", "build_dataset", "train", "requantize", "validate", "promote")
+PHASES_NOT_YET_BUILT = ("train", "requantize", "validate", "promote")
 
 
 @contextmanager
@@ -59,8 +61,33 @@ def bootstrap_phase(cfg: LoopConfig) -> BaseModelManifest:
     return base
 
 
+def collect_and_build(cfg: LoopConfig, base: BaseModelManifest) -> tuple[CollectManifest, object]:
+    """Traffic through the endpoint (the base model served) -> an RL dataset, one MLflow run."""
+    import mlflow
+
+    from loop.tracking import start_run
+
+    timings: dict = {}
+    with start_run(cfg, "collect", tags={"phase": "collect", "base_key": base.key}):
+        with phase("collect", timings):
+            collected = collect_phase(cfg, base.path, Path(cfg.run_dir))
+        print(f"[loop] collected {collected.episodes} episodes ({collected.episodes_ok} ok) in "
+              f"{collected.seconds:.1f}s: {collected.episodes_per_s:.1f} episodes/s, success {collected.success:.1%}, "
+              f"{collected.retries} retries", flush=True)
+        with phase("build_dataset", timings):
+            dataset = dataset_phase(cfg, collected, str(base.path), Path(cfg.run_dir))
+        dropped = {**dataset.dropped_rows, **dataset.dropped_episodes}
+        print(f"[loop] dataset {dataset.path}: {dataset.train_episodes} train + {dataset.heldout_episodes} held-out "
+              f"episodes in {dataset.groups} groups from {dataset.rows_read} trace rows; dropped "
+              f"{', '.join(f'{k} {v}' for k, v in dropped.items() if v) or 'nothing'}", flush=True)
+        log_collect(collected, dataset)
+        mlflow.log_metrics({f"time/{k}": v for k, v in timings.items()})
+    return collected, dataset
+
+
 def run(cfg: LoopConfig) -> int:
     base = bootstrap_phase(cfg)
+    collect_and_build(cfg, base)
     print(f"[loop] phases not built yet: {' -> '.join(PHASES_NOT_YET_BUILT)}; "
           f"the base model is ready at {base.path}")
     return 0

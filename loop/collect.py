@@ -1,0 +1,184 @@
+"""The loop's `collect` and `build_dataset` phases: traffic through the endpoint -> an RL dataset.
+
+    collect:       serve the policy (`loop serve` in a child process, or `collect.endpoint`), play
+                   `num_problems` x `group_size` calculator episodes through it over HTTP
+                   (rollout/collector.py); the server traces every request and the rewards
+                   arrive as feedback. -> CollectManifest
+    build_dataset: the traces of the window the collection wrote (its UTC dates and the weight
+                   versions that served it) -> an RL dataset (pipelines/traces_to_dataset.py).
+                   Other traffic in that window (live users with feedback) is in it too: the
+                   collector is only one client of the endpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal
+
+from loop.configs import to_dict
+from pipelines.rewards import DEFAULT_REWARD_FN, FeedbackMode
+
+
+@dataclass
+class CollectConfig:
+    endpoint: str | None = None  # a server already serving the policy into serve.trace_root; None: start one
+    num_problems: int = 64  # problems of the task's train split
+    problem_seed: int = 1
+    group_size: int = 8  # G episodes per problem (a GRPO group)
+    temperature: float = 1.0
+    max_tokens: int = 48  # per turn
+    max_turns: int = 2
+    concurrency: int = 64  # episodes in flight
+
+    def __post_init__(self):
+        if self.endpoint is not None and not str(self.endpoint).startswith(("http://", "https://")):
+            raise ValueError(f"endpoint must be an http(s) URL or null, got {self.endpoint!r}")
+        if isinstance(self.num_problems, bool) or not isinstance(self.num_problems, int) or self.num_problems < 1:
+            raise ValueError(f"num_problems must be an int >= 1, got {self.num_problems!r}")
+        self.collector("http://checked")  # the collector's own checks, at load time
+
+    def collector(self, base_url: str, progress: bool = True):
+        from rollout.collector import CollectorConfig
+
+        return CollectorConfig(base_url=base_url, group_size=self.group_size, temperature=self.temperature,
+                               max_tokens=self.max_tokens, max_turns=self.max_turns, concurrency=self.concurrency,
+                               progress=progress)
+
+
+@dataclass
+class DatasetPhaseConfig:
+    heldout_fraction: float = 0.1  # of groups, set aside for the KL gate
+    heldout_unit: Literal["group", "episode"] = "group"
+    seed: int = 0  # salts the held-out hash
+    reward_fn: str = DEFAULT_REWARD_FN  # "module:function" of an EpisodeRecord
+    feedback_mode: FeedbackMode = "override"  # how logged feedback combines with reward_fn
+
+    def __post_init__(self):
+        self.dataset(Path("."), Path("."), "checked", "raw_logprobs")  # DatasetConfig's checks, at load time
+
+    def dataset(self, trace_root: Path, out_dir: Path, tokenizer: str, logprobs_mode: str,
+                dates: tuple[str, ...] | None = None, weight_versions: tuple[int, ...] | None = None):
+        from pipelines.traces_to_dataset import DatasetConfig
+
+        return DatasetConfig(trace_root=trace_root, out_dir=out_dir, tokenizer=tokenizer, dates=dates,
+                             weight_versions=weight_versions, heldout_fraction=self.heldout_fraction,
+                             heldout_unit=self.heldout_unit, seed=self.seed, reward_fn=self.reward_fn,
+                             feedback_mode=self.feedback_mode, logprobs_mode=logprobs_mode)
+
+
+@dataclass(frozen=True)
+class CollectManifest:
+    endpoint: str
+    trace_root: str
+    run_id: str  # prefixes the episode ids
+    dates: tuple[str, ...]  # UTC dates the collection ran on (trace partitions)
+    weight_versions: tuple[int, ...]  # served versions seen in the responses
+    episodes: int
+    episodes_ok: int
+    success: float  # mean task reward of the ok episodes
+    group_successes: list[int] = field(default_factory=list)  # per group: episodes rewarded > 0
+    requests: int = 0
+    retries: int = 0
+    tokens_sampled: int = 0
+    seconds: float = 0.0
+
+    @property
+    def episodes_per_s(self) -> float:
+        return self.episodes / self.seconds if self.seconds > 0 else 0.0
+
+
+def _utc_date() -> str:
+    return datetime.now(timezone.utc).date().isoformat()
+
+
+def collect_phase(cfg, model: str | Path, run_dir: Path) -> CollectManifest:
+    """Play the episodes through `cfg.collect.endpoint`, or through a `loop serve` of `model` on
+    this very config, started for it (<run_dir>/logs/serve-collect.{yaml,log})."""
+    from transformers import AutoTokenizer
+
+    from rollout.collector import collect_sync
+    from rollout.server.process import ServerProcess
+    from rollout.task import make_problems
+
+    c = cfg.collect
+    problems = make_problems("train", c.num_problems, seed=c.problem_seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    first_date = _utc_date()
+    if c.endpoint:  # its traces reach serve.trace_root on the server's own schedule
+        ccfg = c.collector(c.endpoint)
+        results, stats = collect_sync(problems, tokenizer, ccfg)
+    else:
+        logs = run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        (logs / "serve-collect.yaml").write_text(json.dumps(to_dict(cfg), indent=2))  # JSON is YAML
+        with ServerProcess(logs / "serve-collect.yaml", model, cfg.serve.trace_root, logs / "serve-collect.log") as srv:
+            print(f"[loop] serving {model} at {srv.url}, traces to {cfg.serve.trace_root}", flush=True)
+            ccfg = c.collector(srv.url)
+            results, stats = collect_sync(problems, tokenizer, ccfg)
+            srv.flush()
+    ok = [r for r in results if r.status == "ok"]
+    groups = [0] * len(problems)
+    for r in ok:
+        groups[r.group] += int(r.reward > 0)
+    versions = sorted({t.weight_version for r in results for t in r.turns if t.weight_version is not None})
+    return CollectManifest(
+        endpoint=ccfg.base_url, trace_root=str(cfg.serve.trace_root), run_id=ccfg.run_id,
+        dates=tuple(sorted({first_date, _utc_date()})), weight_versions=tuple(versions), episodes=stats.episodes,
+        episodes_ok=stats.episodes_ok, success=sum(r.reward for r in ok) / max(1, len(ok)), group_successes=groups,
+        requests=stats.requests, retries=stats.retries, tokens_sampled=stats.tokens_sampled, seconds=stats.seconds)
+
+
+def dataset_phase(cfg, collected: CollectManifest, tokenizer: str, run_dir: Path):
+    """The collection's trace window -> a new dataset under <run_dir>/datasets/."""
+    from pipelines.traces_to_dataset import build_dataset
+
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out = run_dir / "datasets" / f"{stamp}-{collected.run_id}"
+    return build_dataset(cfg.dataset.dataset(Path(collected.trace_root), out, tokenizer, cfg.serve.logprobs_mode,
+                                             dates=collected.dates, weight_versions=collected.weight_versions or None))
+
+
+def log_collect(collected: CollectManifest, dataset) -> None:
+    """Metrics, both manifests and the group-success histogram into the active MLflow run."""
+    import mlflow
+
+    mlflow.log_metrics({
+        "collect/episodes": collected.episodes, "collect/episodes_ok": collected.episodes_ok,
+        "collect/success": collected.success, "collect/episodes_per_s": collected.episodes_per_s,
+        "collect/tokens_per_s": collected.tokens_sampled / max(collected.seconds, 1e-9),
+        "collect/requests": collected.requests, "collect/retries": collected.retries,
+        "dataset/train_episodes": dataset.train_episodes, "dataset/heldout_episodes": dataset.heldout_episodes,
+        "dataset/groups": dataset.groups, "dataset/rows_read": dataset.rows_read,
+        "dataset/build_seconds": dataset.build_seconds,
+        **{f"dataset/dropped_rows/{k}": v for k, v in dataset.dropped_rows.items()},
+        **{f"dataset/dropped_episodes/{k}": v for k, v in dataset.dropped_episodes.items()},
+    })
+    mlflow.log_dict(asdict(collected), "collect_manifest.json")
+    mlflow.log_dict(dataset.to_dict(), "dataset_manifest.json")
+    mlflow.set_tag("dataset_path", dataset.path)
+    _plot_groups(collected.group_successes, max(1, collected.episodes // max(1, len(collected.group_successes))))
+
+
+def _plot_groups(successes: list[int], group_size: int) -> None:
+    """How many GRPO groups had k of G episodes succeed: groups at 0 or G carry no advantage."""
+    import tempfile
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import mlflow
+
+    counts = [successes.count(k) for k in range(group_size + 1)]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(range(group_size + 1), counts, color=["#bbb"] + ["#4a7"] * (group_size - 1) + ["#bbb"])
+    ax.set(xlabel=f"successful episodes in the group (of {group_size})", ylabel="groups",
+           title="GRPO groups by success (grey: no learning signal)")
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "group_success.png"
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+        mlflow.log_artifact(str(path), artifact_path="plots")
+    plt.close(fig)
