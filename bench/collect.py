@@ -8,20 +8,25 @@
    best case). Episodes/s.
 The ratio (1)/(2) is what serving, HTTP and tracing cost the collection (target >= 0.8). One
 engine runs at a time: with the offline engine up in this process during the HTTP phase,
-collection ran ~35% slower (measured), so the phases are sequential. Each phase times `--rounds`
-rounds after a warm-up and compares the medians: on 2 shared cores single collection rounds
-against one server spread 43-59 episodes/s (measured, 11 rounds).
+collection ran ~35% slower (measured), so the phases are sequential. Both phases run with the
+engine's CPU placement (`engine.cpu_front_end`): with "reserved" this process runs on the
+front-end cores in both, as the client in (1) and as the offline engine's front end in (2).
+Each phase times `--rounds` rounds after a warm-up and compares the medians: on 2 shared cores
+single rounds against one server spread 41-76 episodes/s (measured; a round now and then stalls
+for seconds on this VM, in every placement).
 
-    python bench/collect.py [--problems 64] [--group 8] [--concurrency 64] [--rounds 3] [--config conf/tiny.yaml] [KEY=VALUE ...]
+    python bench/collect.py [--problems 64] [--group 8] [--concurrency 64] [--rounds 5] [--config conf/tiny.yaml] [KEY=VALUE ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +43,7 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--rounds", type=int, default=3, help="timed rounds per phase; the median is compared")
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per phase; the median is compared")
     ap.add_argument("--config", type=Path, default=REPO / "conf" / "tiny.yaml")
     ap.add_argument("--cache-dir", default=str(REPO / ".cache" / "flywheel-test"))
     ap.add_argument("overrides", nargs="*", help="config overrides for both sides, e.g. "
@@ -52,6 +57,7 @@ def main() -> None:
     from rollout.collector import CollectorConfig, collect_sync
     from rollout.engine import make_llm, vllm_generate
     from rollout.episode import run_episodes
+    from rollout import cpu_placement
     from rollout.server.process import ServerProcess
     from rollout.task import make_problems
     from rollout.traces import read_traces
@@ -67,9 +73,13 @@ def main() -> None:
             url = srv.url
             warm = CollectorConfig(base_url=url, group_size=1, progress=False, max_tokens=args.max_tokens)
             collect_sync(problems[:8], tok, warm)
-            rounds = [collect_sync(problems, tok, CollectorConfig(  # a fresh run_id (episode ids) per round
-                base_url=url, group_size=args.group, concurrency=args.concurrency, max_tokens=args.max_tokens,
-                progress=False)) for _ in range(args.rounds)]
+            # the client runs where the server's front end does (with cpu_front_end=reserved)
+            reserved = cfg.engine.reserves_front_end()
+            with cpu_placement.beside_front_end(srv.proc.pid) if reserved else nullcontext() as cpus:
+                print(f"[collect] client on CPUs {cpus or 'any'}")
+                rounds = [collect_sync(problems, tok, CollectorConfig(  # a fresh run_id (episode ids) per round
+                    base_url=url, group_size=args.group, concurrency=args.concurrency, max_tokens=args.max_tokens,
+                    progress=False)) for _ in range(args.rounds)]
             results, stats = sorted(rounds, key=lambda r: r[1].episodes_per_s)[len(rounds) // 2]
             srv.flush()
         traces = read_traces(work / "data", columns=["episode_id"]).num_rows
@@ -82,6 +92,8 @@ def main() -> None:
 
         llm = make_llm(str(base.path), cfg.engine)
         gen = vllm_generate(llm)
+        if cfg.engine.reserves_front_end():  # the offline engine's front end is this process: where the client ran
+            print(f"[engine]  this process on CPUs {cpu_placement.pin_front_end(os.getpid())}")
         run_episodes(problems[:8], tok, gen, temperature=1.0, max_tokens=args.max_tokens)  # warm-up
         batch = [p for p in problems for _ in range(args.group)]
         bare = []

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -100,6 +101,7 @@ def collect_phase(cfg, model: str | Path, run_dir: Path) -> CollectManifest:
     from transformers import AutoTokenizer
 
     from rollout.collector import collect_sync
+    from rollout.cpu_placement import beside_front_end
     from rollout.server.process import ServerProcess
     from rollout.task import make_problems
 
@@ -117,7 +119,9 @@ def collect_phase(cfg, model: str | Path, run_dir: Path) -> CollectManifest:
         with ServerProcess(logs / "serve-collect.yaml", model, cfg.serve.trace_root, logs / "serve-collect.log") as srv:
             print(f"[loop] serving {model} at {srv.url}, traces to {cfg.serve.trace_root}", flush=True)
             ccfg = c.collector(srv.url)
-            results, stats = collect_sync(problems, tokenizer, ccfg)
+            # as the server's client, this process runs on its front-end cores, off the worker's
+            with beside_front_end(srv.proc.pid) if cfg.engine.reserves_front_end() else nullcontext():
+                results, stats = collect_sync(problems, tokenizer, ccfg)
             srv.flush()
     ok = [r for r in results if r.status == "ok"]
     groups = [0] * len(problems)

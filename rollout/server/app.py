@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rollout import cpu_placement
 from rollout.engine import EngineConfig
 from rollout.server.config import ServeConfig, vllm_cli_args
 from rollout.server.engine import TracingEngine, WeightState
@@ -95,6 +96,9 @@ async def _serve(cfg: ServeConfig, engine_cfg: EngineConfig, model: str) -> None
         await st.swapper._reference(st.engine.weights.path, st.engine.weights.checkpoint_sha256)
         log.info("canary reference ready in %.2f s; serving %s on %s", time.perf_counter() - t0, model,
                  listen_address)
+        if engine_cfg.reserves_front_end():
+            log.info("front end (API server, engine core) pinned to CPUs %s, off the worker's",
+                     sorted(cpu_placement.pin_front_end(os.getpid()) or []) or "(none: nothing to keep apart)")
         shutdown = await serve_http(app, sock=sock, host=args.host, port=args.port, log_level="warning",
                                     access_log=False, timeout_keep_alive=5)
     try:
