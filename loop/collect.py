@@ -109,9 +109,10 @@ def collect_phase(cfg, model: str | Path, run_dir: Path) -> CollectManifest:
     problems = make_problems("train", c.num_problems, seed=c.problem_seed)
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     first_date = _utc_date()
-    if c.endpoint:  # its traces reach serve.trace_root on the server's own schedule
+    if c.endpoint:
         ccfg = c.collector(c.endpoint)
         results, stats = collect_sync(problems, tokenizer, ccfg)
+        _flush(c.endpoint, cfg.serve.resolved_admin_token())
     else:
         logs = run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -133,6 +134,19 @@ def collect_phase(cfg, model: str | Path, run_dir: Path) -> CollectManifest:
         dates=tuple(sorted({first_date, _utc_date()})), weight_versions=tuple(versions), episodes=stats.episodes,
         episodes_ok=stats.episodes_ok, success=sum(r.reward for r in ok) / max(1, len(ok)), group_successes=groups,
         requests=stats.requests, retries=stats.retries, tokens_sampled=stats.tokens_sampled, seconds=stats.seconds)
+
+
+def _flush(endpoint: str, token: str | None) -> None:
+    """Ask a server we did not start to convert its traces to Parquet now (its admin API)."""
+    import httpx
+
+    if token is None:
+        print(f"[loop] no admin token (serve.admin_token or its env var): traces {endpoint} has not yet "
+              "converted to Parquet will reach a later dataset", flush=True)
+        return
+    r = httpx.post(endpoint.rstrip("/") + "/admin/flush", headers={"authorization": f"Bearer {token}"}, timeout=120)
+    if r.status_code != 200:
+        raise RuntimeError(f"POST {endpoint}/admin/flush: {r.status_code} {r.text[:300]}")
 
 
 def dataset_phase(cfg, collected: CollectManifest, tokenizer: str, run_dir: Path):

@@ -64,7 +64,8 @@ def test_plugin_sets_the_busy_wait_in_the_engine_core_only():
 
 def test_offline_engine_core_runs_off_the_worker_and_stops_spinning(tiny_llm, tiny_cfg):
     assert tiny_cfg.engine.cpu_front_end == "reserved"
-    worker_cpus, (engine_core,) = _placement(os.getpid())
+    (proc,) = tiny_llm.llm_engine.engine_core.resources.engine_manager.processes  # the session may hold other engines
+    worker_cpus, (engine_core,) = _placement(proc.pid)
     assert os.sched_getaffinity(engine_core) == os.sched_getaffinity(0) - worker_cpus
     assert os.sched_getaffinity(0) >= worker_cpus  # the caller itself is left where it was (it may train)
 
