@@ -77,8 +77,10 @@ def collect_and_build(cfg: LoopConfig, base: BaseModelManifest) -> tuple[Collect
         with phase("build_dataset", timings):
             dataset = dataset_phase(cfg, collected, str(base.path), Path(cfg.run_dir))
         dropped = {**dataset.dropped_rows, **dataset.dropped_episodes}
+        others = dataset.kept_episodes - collected.episodes_ok
         print(f"[loop] dataset {dataset.path}: {dataset.train_episodes} train + {dataset.heldout_episodes} held-out "
-              f"episodes in {dataset.groups} groups from {dataset.rows_read} trace rows; dropped "
+              f"episodes in {dataset.groups} groups from {dataset.rows_read} trace rows"
+              f"{f' ({others} more than collected: other traffic in the window)' if others > 0 else ''}; dropped "
               f"{', '.join(f'{k} {v}' for k, v in dropped.items() if v) or 'nothing'}", flush=True)
         log_collect(collected, dataset)
         mlflow.log_metrics({f"time/{k}": v for k, v in timings.items()})
