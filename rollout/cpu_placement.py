@@ -114,3 +114,28 @@ def beside_front_end(engine_root: int):
     finally:
         if cpus is not None:
             _set_affinity(os.getpid(), home)
+
+
+@contextmanager
+def spawning_engine(engine_root: int):
+    """Start an engine inside the block, in the thread that spawns it: a spawned process inherits
+    its spawning thread's CPUs, and vLLM binds a new worker to the first CPUs it is allowed, so a
+    front end pinned off the workers would put the new worker on its own cores. The thread gets
+    every core of the engine's processes for the spawn; if the front end was pinned, it is pinned
+    again afterwards, the new engine's front end with it."""
+    tree = process_tree(engine_root)
+    everything: set[int] = set()
+    for p in tree:
+        try:
+            everything |= os.sched_getaffinity(p)
+        except OSError:
+            pass
+    mine = os.sched_getaffinity(0)
+    pinned = mine != everything
+    os.sched_setaffinity(0, everything)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, mine)
+        if pinned:
+            pin_front_end(engine_root)

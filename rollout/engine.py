@@ -68,8 +68,10 @@ def make_llm(model_path: str, cfg: EngineConfig, **overrides):
     from vllm import LLM
 
     llm = LLM(**{**cfg.engine_kwargs(model_path), **overrides})
-    if cfg.reserves_front_end():
-        cpu_placement.pin_front_end(os.getpid(), include_root=False)
+    if cfg.reserves_front_end():  # this engine's processes only: the caller may have other children
+        manager = getattr(getattr(llm.llm_engine.engine_core, "resources", None), "engine_manager", None)
+        for proc in getattr(manager, "processes", ()):  # none with an in-process engine core
+            cpu_placement.pin_front_end(proc.pid)
     return llm
 
 

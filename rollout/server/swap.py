@@ -26,12 +26,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from loop.files import file_sha256
+from rollout import cpu_placement
 from rollout.server.engine import TracingEngine, WeightState
 from rollout.server.tracing import quant_format, stack_fingerprint
 
@@ -113,9 +115,13 @@ async def start_engine(args, path: str):
     engine_args = AsyncEngineArgs.from_cli_args(a)
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     unregister_vllm_metrics()  # the new engine registers its own series under the same names
-    return await asyncio.to_thread(AsyncLLM.from_vllm_config, vllm_config=vllm_config,
-                                   usage_context=UsageContext.OPENAI_API_SERVER,
-                                   disable_log_stats=engine_args.disable_log_stats)
+
+    def build():
+        with cpu_placement.spawning_engine(os.getpid()):  # the new worker on the workers' cores
+            return AsyncLLM.from_vllm_config(vllm_config=vllm_config, usage_context=UsageContext.OPENAI_API_SERVER,
+                                             disable_log_stats=engine_args.disable_log_stats)
+
+    return await asyncio.to_thread(build)
 
 
 def retire_engine(inner) -> None:

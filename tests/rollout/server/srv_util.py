@@ -33,6 +33,32 @@ class ServerProc(ServerProcess):
         return rows[0]
 
 
+def placement(root: int) -> tuple[set[int], list[int]]:
+    """The cores vLLM bound its workers to under process `root` (empty: none bound to a subset
+    of this machine's cores, as on a GPU), and the engine-core pids there."""
+    import os
+
+    from rollout.cpu_placement import WORKER_NAME, process_tree
+
+    def comm(pid: int) -> str:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+
+    def alive(pid: int) -> bool:  # a retired engine's processes may linger as zombies
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    tree = [p for p in process_tree(root) if alive(p)]
+    workers = [p for p in tree if comm(p).startswith(WORKER_NAME)]
+    worker_cpus = set().union(*(os.sched_getaffinity(p) for p in workers)) if workers else set()
+    if worker_cpus >= os.sched_getaffinity(0):
+        worker_cpus = set()
+    return worker_cpus, [p for p in tree if comm(p).startswith("VLLM::EngineCor")]
+
+
 def perturbed_copy(src: str | Path, dst: Path, scale: float = 0.05, seed: int = 1) -> Path:
     """A same-architecture, same-tokenizer checkpoint with different weights."""
     import shutil

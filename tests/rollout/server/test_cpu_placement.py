@@ -9,31 +9,15 @@ import subprocess
 import sys
 import time
 
-import pytest
+from srv_util import placement
 
 from rollout import cpu_placement
-from rollout.cpu_placement import process_tree
-
-
-def _comm(pid: int) -> str:
-    with open(f"/proc/{pid}/comm") as f:
-        return f.read().strip()
 
 
 def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _placement(root: int) -> tuple[set[int], list[int]]:
-    """The cores vLLM bound its workers to under `root`, and the engine-core pids there."""
-    tree = process_tree(root)
-    workers = [p for p in tree if _comm(p).startswith(cpu_placement.WORKER_NAME)]
-    worker_cpus = set().union(*(os.sched_getaffinity(p) for p in workers)) if workers else set()
-    if not worker_cpus or worker_cpus >= os.sched_getaffinity(0):
-        pytest.skip("no vLLM worker bound to a subset of the cores here: nothing to keep apart")
-    return worker_cpus, [p for p in tree if _comm(p).startswith("VLLM::EngineCor")]
 
 
 def test_vllm_discovers_the_plugin():
@@ -65,7 +49,10 @@ def test_plugin_sets_the_busy_wait_in_the_engine_core_only():
 def test_offline_engine_core_runs_off_the_worker_and_stops_spinning(tiny_llm, tiny_cfg):
     assert tiny_cfg.engine.cpu_front_end == "reserved"
     (proc,) = tiny_llm.llm_engine.engine_core.resources.engine_manager.processes  # the session may hold other engines
-    worker_cpus, (engine_core,) = _placement(proc.pid)
+    worker_cpus, (engine_core,) = placement(proc.pid)
+    if not worker_cpus:  # nothing to keep apart: placement leaves everything where it is
+        assert cpu_placement.pin_front_end(proc.pid) is None
+        return
     assert os.sched_getaffinity(engine_core) == os.sched_getaffinity(0) - worker_cpus
     assert os.sched_getaffinity(0) >= worker_cpus  # the caller itself is left where it was (it may train)
 
@@ -83,7 +70,10 @@ def test_offline_engine_core_runs_off_the_worker_and_stops_spinning(tiny_llm, ti
 
 
 def test_server_front_end_and_a_client_beside_it(srv_main):
-    worker_cpus, (engine_core,) = _placement(srv_main.proc.pid)
+    worker_cpus, (engine_core,) = placement(srv_main.proc.pid)
+    if not worker_cpus:
+        assert cpu_placement.pin_front_end(srv_main.proc.pid) is None
+        return
     front = os.sched_getaffinity(srv_main.proc.pid)
     assert front and not front & worker_cpus
     assert os.sched_getaffinity(engine_core) == front

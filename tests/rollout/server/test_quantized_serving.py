@@ -3,9 +3,11 @@ format, and hot-swapped in place to another W4A16 checkpoint, verified by the ca
 
 from __future__ import annotations
 
+import os
+
 import httpx
 import pytest
-from srv_util import ServerProc, chat_messages, perturbed_copy
+from srv_util import ServerProc, chat_messages, perturbed_copy, placement
 
 pytestmark = pytest.mark.slow
 
@@ -91,3 +93,10 @@ def test_w8a8_swaps_through_a_second_engine_under_load(srv_w8a8):
     assert httpx.get(server.url + "/health").status_code == 200
     text = httpx.get(server.url + "/metrics").text
     assert "vllm:num_requests_running" in text and 'flywheel_weight_swaps_total{outcome="ok"} 1.0' in text
+
+    # the second engine's worker took the workers' cores and its engine core the front end's
+    # (it was spawned from the pinned API server: rollout.cpu_placement.spawning_engine)
+    worker_cpus, engine_cores = placement(server.proc.pid)
+    front = os.sched_getaffinity(server.proc.pid)
+    assert len(engine_cores) == 1, [open(f"/proc/{p}/stat").read()[:60] for p in engine_cores]  # the first retired
+    assert not worker_cpus or (not front & worker_cpus and os.sched_getaffinity(engine_cores[0]) == front)
