@@ -54,10 +54,10 @@ def main() -> None:
 
     from loop.bootstrap import bootstrap
     from loop.config import load_config
+    from rollout import cpu_placement
     from rollout.collector import CollectorConfig, collect_sync
     from rollout.engine import make_llm, vllm_generate
     from rollout.episode import run_episodes
-    from rollout import cpu_placement
     from rollout.server.process import ServerProcess
     from rollout.task import make_problems
     from rollout.traces import read_traces

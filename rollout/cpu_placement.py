@@ -69,6 +69,17 @@ def _is_worker(pid: int) -> bool:
         return False
 
 
+def _cpus_of(pids: list[int]) -> set[int]:
+    """The union of the CPUs these processes may run on (ended ones left out)."""
+    cpus: set[int] = set()
+    for p in pids:
+        try:
+            cpus |= os.sched_getaffinity(p)
+        except OSError:
+            pass
+    return cpus
+
+
 def _set_affinity(pid: int, cpus: set[int]) -> None:
     """Every thread of `pid` (sched_setaffinity takes a thread id; new threads inherit their creator's)."""
     try:
@@ -89,12 +100,7 @@ def pin_front_end(engine_root: int, *, include_root: bool = True, also: tuple[in
     or no core left over."""
     tree = process_tree(engine_root)
     workers = [p for p in tree if _is_worker(p)]
-    worker_cpus: set[int] = set()
-    for p in workers:
-        try:
-            worker_cpus |= os.sched_getaffinity(p)
-        except OSError:
-            pass
+    worker_cpus = _cpus_of(workers)
     front = os.sched_getaffinity(engine_root) - worker_cpus
     if not worker_cpus or not front:
         return None
@@ -123,13 +129,7 @@ def spawning_engine(engine_root: int):
     front end pinned off the workers would put the new worker on its own cores. The thread gets
     every core of the engine's processes for the spawn; if the front end was pinned, it is pinned
     again afterwards, the new engine's front end with it."""
-    tree = process_tree(engine_root)
-    everything: set[int] = set()
-    for p in tree:
-        try:
-            everything |= os.sched_getaffinity(p)
-        except OSError:
-            pass
+    everything = _cpus_of(process_tree(engine_root))
     mine = os.sched_getaffinity(0)
     pinned = mine != everything
     os.sched_setaffinity(0, everything)
