@@ -13,6 +13,10 @@ def start_run(cfg, run_name: str, tags: dict | None = None):
 
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(cfg.tracking_uri)
+    if cfg.mlflow.tracking_uri is None and mlflow.get_experiment_by_name(cfg.mlflow.experiment) is None:
+        # the run's own store keeps its artifacts beside it, not in ./mlruns of whatever directory
+        mlflow.create_experiment(cfg.mlflow.experiment,
+                                 artifact_location=(Path(cfg.run_dir) / "artifacts").resolve().as_uri())
     mlflow.set_experiment(cfg.mlflow.experiment)
     run = mlflow.start_run(run_name=run_name, tags=tags or {})
     params = {k: ("None" if v is None else v) for k, v in flatten(to_dict(cfg)).items()}

@@ -36,6 +36,7 @@ def test_loop_run_bootstraps_collects_and_builds_the_dataset(tiny_base, tiny_cfg
     exp = client.get_experiment_by_name(tiny_cfg.mlflow.experiment)
     runs = {r.data.tags["phase"]: r for r in client.search_runs([exp.experiment_id])}
     assert set(runs) == {"bootstrap", "collect"}
+    assert all(r.info.artifact_uri.startswith((run_dir / "artifacts").resolve().as_uri()) for r in runs.values())
 
     boot = runs["bootstrap"]
     assert 0.0 <= boot.data.metrics["base/vllm_greedy"] <= 1.0 and "base/vllm_t1" in boot.data.metrics
