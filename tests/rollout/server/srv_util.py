@@ -17,10 +17,6 @@ class ServerProc(ServerProcess):
     def __init__(self, model: str, trace_root: Path, log_path: Path, overrides: list[str] = (), env: dict | None = None):
         super().__init__(REPO / "conf" / "tiny.yaml", model, trace_root, log_path, overrides, env, ADMIN_TOKEN)
 
-    def flush(self) -> None:
-        r = self.admin("POST", "/admin/flush")
-        assert r.status_code == 200, r.text
-
     def traces(self) -> list[dict]:
         from rollout.traces import read_traces
 
