@@ -51,14 +51,22 @@ def main(argv: list[str] | None = None) -> int:
         print(" ".join(cmd))
         return subprocess.call(cmd)
     if args.command == "serve":
+        from loop.serving import engine_for, resolve
         from rollout.server import serve
+        from rollout.server.app import check_servable
 
         model = cfg.serve.model
         if model is None:
             from loop.bootstrap import bootstrap
 
             model = bootstrap(cfg.bootstrap, cfg.task).path
-        serve(cfg.serve, cfg.engine, model)
+        try:
+            served = resolve(cfg, model)
+            check_servable(served.path, engine_for(cfg, served))
+        except (ConfigError, ValueError) as e:
+            print(f"config error: {args.config}: {e}", file=sys.stderr)
+            return 2
+        serve(cfg.serve, engine_for(cfg, served), served.path)
         return 0
     from loop.run import bootstrap_phase, run
 

@@ -43,12 +43,15 @@ class ServerState:
     admitted: int = 0
 
 
-def build_server_app(args, inner, cfg: ServeConfig, model: str, supported_tasks):
+def build_server_app(args, inner, cfg: ServeConfig, model: str, supported_tasks, caps=None):
     """vLLM's app on a `TracingEngine` around `inner`, plus Flywheel's routes and middleware."""
     from vllm.entrypoints.launchers.app import build_app
 
+    from rollout.capabilities import detect
+
     from rollout.traces import FeedbackStore, TraceConfig, TraceWriter, register_metrics
 
+    caps = caps or detect()
     metrics = FlywheelMetrics()
     draft = cfg.speculative.draft_model if cfg.speculative.method == "draft" else None
     engine = TracingEngine(inner, WeightState(0, str(Path(model).resolve()), checkpoint_sha256(model),
@@ -59,11 +62,12 @@ def build_server_app(args, inner, cfg: ServeConfig, model: str, supported_tasks)
     spec = cfg.speculative
     st = ServerState(cfg=cfg, engine=engine, writer=writer, feedback=FeedbackStore(root), metrics=metrics,
                      swapper=HotSwapper(engine, cfg.canary_tolerance, cfg.drain_timeout_s, metrics,
-                                        engine_args=args),
-                     stack=stack_fingerprint(model),
+                                        engine_args=args, caps=caps),
+                     stack=stack_fingerprint(model, caps=caps),
                      speculator_version=None if spec.method == "none" else
                      f"{spec.method}:{spec.draft_model or f'{spec.ngram_min}-{spec.ngram_max}'}")
     metrics.weight_version.set(0)
+    metrics.serving.labels(caps.device, caps.kernel_build, st.stack.quant_format, args.dtype).set(1)
     app = build_app(args, supported_tasks, inner.model_config)
     add_routes(app, st)
     from starlette.middleware import Middleware
@@ -94,8 +98,8 @@ async def _serve(cfg: ServeConfig, engine_cfg: EngineConfig, model: str) -> None
         app.state.flywheel = st
         t0 = time.perf_counter()
         await st.swapper._reference(st.engine.weights.path, st.engine.weights.checkpoint_sha256)
-        log.info("canary reference ready in %.2f s; serving %s on %s", time.perf_counter() - t0, model,
-                 listen_address)
+        log.info("canary reference ready in %.2f s; serving %s (%s, %s) on %s", time.perf_counter() - t0, model,
+                 st.stack.quant_format, args.dtype, listen_address)
         if engine_cfg.reserves_front_end():
             log.info("front end (API server, engine core) pinned to CPUs %s, off the worker's",
                      sorted(cpu_placement.pin_front_end(os.getpid()) or []) or "(none: nothing to keep apart)")
@@ -109,20 +113,34 @@ async def _serve(cfg: ServeConfig, engine_cfg: EngineConfig, model: str) -> None
         await asyncio.to_thread(st.feedback.close)
 
 
-def serve(cfg: ServeConfig, engine_cfg: EngineConfig, model: str) -> None:
-    """Run the server until SIGINT/SIGTERM (call from under `if __name__ == "__main__":`)."""
+def check_servable(model: str, engine_cfg: EngineConfig) -> str:
+    """The folder's format ("w4a16", "w8a8", "none"), or ValueError naming the key when this
+    machine's engine cannot serve it so (before any engine starts)."""
+    from rollout.capabilities import detect, serving_format
     from rollout.server.tracing import quant_format
 
-    fmt = quant_format(model)
-    if fmt.endswith("a16") and fmt != "none" and engine_cfg.dtype == "float32":
-        raise ValueError(f"{model} is {fmt}: vLLM's CPU W4A16 kernel has no float32 path; "
-                         "set engine.dtype=bfloat16 (or float16)")
+    caps, fmt = detect(), serving_format(quant_format(model))
+    if not caps.can_serve(fmt):
+        raise ValueError(f"serve.model: {model} is {fmt}, which this machine cannot serve: {caps.why_not(fmt)}")
+    if fmt != "none" and engine_cfg.dtype == "float32":
+        raise ValueError(f"engine.dtype: {model} is {fmt}: vLLM's quantized kernels have no float32 path; "
+                         "use bfloat16 or float16")
+    return fmt
+
+
+def serve(cfg: ServeConfig, engine_cfg: EngineConfig, model: str) -> None:
+    """Run the server until SIGINT/SIGTERM (call from under `if __name__ == "__main__":`).
+    `model` must be a folder this machine can serve (loop.serving.resolve chooses it)."""
+    from rollout.capabilities import detect
+
+    fmt, caps = check_servable(model, engine_cfg), detect()
     engine_cfg.apply_env()
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("(flywheel) %(levelname)s %(asctime)s %(message)s"))
     logging.getLogger("flywheel").addHandler(handler)
     logging.getLogger("flywheel").setLevel(logging.INFO)
     logging.getLogger("flywheel").propagate = False
+    log.info("vLLM %s: serving %s as %s in %s", caps.describe(), model, fmt, engine_cfg.dtype)
     # The hot-swap sends a function (swap.refresh_tied_head) to the workers over collective_rpc,
     # which vLLM pickles only with this set. The RPC channel is local to the engine's processes.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"

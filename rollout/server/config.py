@@ -57,7 +57,16 @@ class ServeConfig:
     max_queue: int = 256  # requests admitted at once (running + waiting); beyond: 429 + Retry-After
     max_body_bytes: int = 4 * 1024 * 1024  # larger bodies: 413
     drain_timeout_s: float = 30.0  # hot-swap: how long in-flight requests may take to finish
-    canary_tolerance: float = 0.05  # hot-swap: max mean |Δ logprob| of the canary vs the reference
+    canary_tolerance: float | None = None  # hot-swap: max mean |Δ logprob| of the canary vs the
+    # reference; None: what was measured for the served format on this kernel build (rollout.capabilities)
+    # The served format: "auto" is the best one vLLM has kernels for here (W4A16 on AVX-512 CPUs and
+    # CUDA, W8A8 on AVX2 CPUs); a full-precision model is quantized for serving (cached). A format the
+    # device cannot serve fails at start, naming this key.
+    quant: Literal["auto", "w4a16", "w8a8", "none"] = "auto"
+    w4a16_group_size: int = 32  # columns per int4 scale when this server quantizes (divides 64, 192, 512)
+    # The engine's dtype when serving: "auto" is engine.dtype, except bfloat16 for a quantized format
+    # (vLLM's quantized CPU kernels have no float32 path).
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     logprobs_mode: str = "raw_logprobs"  # vLLM's mode for the behaviour logprobs in traces
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
@@ -69,9 +78,14 @@ class ServeConfig:
         for name in ("max_queue", "max_body_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("drain_timeout_s", "canary_tolerance"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.drain_timeout_s > 0:
+            raise ValueError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
+        if self.canary_tolerance is not None and not self.canary_tolerance > 0:
+            raise ValueError(f"canary_tolerance must be > 0 or null, got {self.canary_tolerance}")
+        if self.quant not in ("auto", "w4a16", "w8a8", "none"):
+            raise ValueError(f"quant must be auto, w4a16, w8a8 or none, got {self.quant!r}")
+        if self.w4a16_group_size <= 0 or self.w4a16_group_size % 2:
+            raise ValueError(f"w4a16_group_size must be a positive even int, got {self.w4a16_group_size}")
         if self.trace_durability not in ("commit", "interval"):
             raise ValueError(f"trace_durability must be commit or interval, got {self.trace_durability!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:

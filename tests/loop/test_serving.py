@@ -1,0 +1,80 @@
+"""`loop serve`'s choice of format on each kind of machine (loop.serving.resolve), with the
+capabilities of each kernel build as rollout.capabilities detects them, and this machine's own.
+Quantizing for serving runs for real (tiny model); no engine starts here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loop.config import load_config
+from loop.configs import ConfigError
+from loop.serving import resolve, serving_spec
+from rollout.capabilities import Capabilities, detect, kernel_build_env, machine_isas
+from rollout.server.tracing import quant_format
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+AVX512 = Capabilities("cpu", "_C", None, ("w4a16", "w8a8", "none"), 0, "nearest")
+AVX2 = Capabilities("cpu", "_C_AVX2", "avx2", ("w8a8", "none"), -128, "toward_zero")
+
+
+def _cfg(tmp_path, *overrides):
+    return load_config(CONF / "agent_rl.yaml", [f"bootstrap.cache_dir={tmp_path}", *overrides])
+
+
+@pytest.fixture(scope="module")
+def w4a16_folder(tiny_base, tmp_path_factory):
+    from pipelines.quantize import quantize_checkpoint
+
+    return quantize_checkpoint(tiny_base.path, tmp_path_factory.mktemp("q") / "w4", serving_spec("w4a16")).path
+
+
+@pytest.mark.parametrize("caps, fmt", [(AVX512, "w4a16"), (AVX2, "w8a8")], ids=["avx512", "avx2"])
+def test_auto_quantizes_the_base_in_the_best_format(caps, fmt, tiny_base, tmp_path):
+    served = resolve(_cfg(tmp_path), tiny_base.path, caps)
+    assert served.fmt == fmt and served.dtype == "bfloat16"  # engine.dtype float32: no quantized kernel path
+    assert quant_format(served.path) == f"compressed-tensors-{fmt}"
+    assert Path(served.path).parent == tmp_path
+    again = resolve(_cfg(tmp_path), tiny_base.path, caps)  # cached: the same folder, not rewritten
+    assert again.path == served.path
+    assert resolve(_cfg(tmp_path, "serve.quant=none"), tiny_base.path, caps).path == tiny_base.path
+
+
+def test_avx2_refuses_w4a16_by_the_key_that_asked(tiny_base, w4a16_folder, tmp_path):
+    with pytest.raises(ConfigError, match=r"serve.quant: w4a16 cannot be served on this machine: .*_C_AVX2.*cpu_gemm_wna16"):
+        resolve(_cfg(tmp_path, "serve.quant=w4a16"), tiny_base.path, AVX2)
+    with pytest.raises(ConfigError, match=r"serve.model: .* is w4a16, which this machine cannot serve"):
+        resolve(_cfg(tmp_path), w4a16_folder, AVX2)
+    assert resolve(_cfg(tmp_path), w4a16_folder, AVX512).path == w4a16_folder  # served as it is
+
+
+def test_config_mistakes_name_their_key(tiny_base, w4a16_folder, tmp_path):
+    with pytest.raises(ConfigError, match=r"serve.quant: w8a8, but serve.model .* is already w4a16"):
+        resolve(_cfg(tmp_path, "serve.quant=w8a8"), w4a16_folder, AVX512)
+    with pytest.raises(ConfigError, match=r"serve.dtype: float32 cannot serve w4a16"):
+        resolve(_cfg(tmp_path, "serve.dtype=float32"), tiny_base.path, AVX512)
+    assert resolve(_cfg(tmp_path, "serve.dtype=float16"), tiny_base.path, AVX512).dtype == "float16"
+
+
+def test_capabilities_per_build():
+    assert AVX512.choose("auto") == "w4a16" and AVX2.choose("auto") == "w8a8"
+    assert not AVX2.reloads_in_place("w8a8") and AVX2.reloads_in_place("none")
+    assert AVX2.canary_tolerance("w8a8") > AVX512.canary_tolerance("w8a8")
+    with pytest.raises(ValueError, match="quant must be one of"):
+        AVX2.choose("int4")
+    assert kernel_build_env("avx512_bf16") == {}
+    env = kernel_build_env("avx2")
+    assert env["FLYWHEEL_VLLM_CPU_KERNELS"] == "avx2" and "_kernel_switch" in env["PYTHONPATH"]
+
+
+def test_this_machine_is_detected_not_assumed():
+    caps = detect()
+    if caps.device == "cuda":
+        assert caps.formats[0] == "w4a16"
+        return
+    isas = machine_isas()
+    expected = {"avx512_bf16": "_C", "avx512": "_C_AVX512", "avx2": "_C_AVX2"}[caps.forced or isas[0]]
+    assert caps.kernel_build == expected, (caps, isas)
+    assert caps.can_serve("w4a16") == (caps.kernel_build != "_C_AVX2")
+    assert caps.formats[-1] == "none" and caps.can_serve("w8a8")
