@@ -42,6 +42,10 @@ class ServerState:
     speculator_version: str | None
     admitted: int = 0
 
+    def unhealthy(self) -> str | None:
+        """Why this server must not be sent traffic (None: healthy)."""
+        return self.engine.gate.failure
+
 
 def build_server_app(args, inner, cfg: ServeConfig, model: str, supported_tasks, caps=None):
     """vLLM's app on a `TracingEngine` around `inner`, plus Flywheel's routes and middleware."""

@@ -66,8 +66,13 @@ class RequestContext:
     weights: "WeightState | None" = None  # set when the middleware admitted the whole request
 
 
+class GateFailed(RuntimeError):
+    """The server cannot serve (a swap left unknown weights): the reason, for a 503."""
+
+
 class Gate:
-    """Admission for generate calls; a swap closes it, waits for in-flight calls, reopens it."""
+    """Admission for generate calls; a swap closes it, waits for in-flight calls, reopens it.
+    `fail(reason)` closes it for good: waiting and new calls raise `GateFailed`."""
 
     def __init__(self):
         self._open = asyncio.Event()
@@ -76,6 +81,7 @@ class Gate:
         self._idle.set()
         self.in_flight = 0
         self.waiting = 0
+        self.failure: str | None = None
 
     @asynccontextmanager
     async def admit(self):
@@ -86,6 +92,8 @@ class Gate:
                     await self._open.wait()
             finally:
                 self.waiting -= 1
+        if self.failure is not None:
+            raise GateFailed(self.failure)
         self.in_flight += 1
         self._idle.clear()
         try:
@@ -105,11 +113,17 @@ class Gate:
             return False
 
     def open(self) -> None:
-        self._open.set()
+        if self.failure is None:
+            self._open.set()
+
+    def fail(self, reason: str) -> None:
+        """Serve nothing more: callers waiting at the gate and new ones get GateFailed(reason)."""
+        self.failure = reason
+        self._open.set()  # wake the waiters; admit() raises for them
 
     @property
     def is_open(self) -> bool:
-        return self._open.is_set()
+        return self._open.is_set() and self.failure is None
 
 
 @dataclass

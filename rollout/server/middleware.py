@@ -23,7 +23,7 @@ import time
 import uuid
 from datetime import datetime, timezone
 
-from rollout.server.engine import ACTIVE, RequestContext
+from rollout.server.engine import ACTIVE, GateFailed, RequestContext
 from rollout.server.output import OutputParser
 from rollout.server.tracing import build_traces
 
@@ -84,6 +84,10 @@ class FlywheelMiddleware:
         self.state = state  # rollout.server.app.ServerState
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] == "/health" and (problem := self.state.unhealthy()):
+            start, end = _json_response(503, problem, "ServiceUnavailableError")
+            await send(start)
+            return await send(end)
         if scope["type"] != "http" or scope["path"] not in TRACED_PATHS or scope["method"] != "POST":
             if scope["type"] == "http" and scope.get("method") in ("POST", "PUT"):
                 return await self._limited(scope, receive, send)
@@ -150,6 +154,9 @@ class FlywheelMiddleware:
             async with st.engine.gate.admit():  # waits while a hot-swap runs; held to the last byte
                 ctx.weights = st.engine.weights
                 await self.app(scope, replay, send_wrapped)
+        except GateFailed as e:  # a failed swap left unknown weights: refuse, never serve them
+            for message in _json_response(503, str(e), "ServiceUnavailableError"):
+                await send_wrapped(message)
         finally:
             ACTIVE.reset(token)
             if not finished[0]:  # the client went away, or the app raised before the last chunk

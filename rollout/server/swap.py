@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import time
 import uuid
@@ -38,6 +39,7 @@ from rollout.capabilities import detect, serving_format
 from rollout.server.engine import TracingEngine, WeightState
 from rollout.server.tracing import quant_format, stack_fingerprint
 
+log = logging.getLogger("flywheel.server")
 MANIFEST = "flywheel_manifest.json"  # the bootstrap's: files_sha256 {name: sha256}
 QUANT_MANIFEST = "quant_manifest.json"  # pipelines.quantize's: files {relative path: sha256}
 SHAPE_KEYS = ("architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -184,12 +186,14 @@ def reload_draft(worker, path: str) -> int:
 
 async def reload_in_place(inner, path: str, draft_path: str | None = None) -> None:
     """vLLM's in-place reload, then what it misses (the tied head), the draft model when given,
-    then a prefix-cache reset."""
+    then a prefix-cache reset; a reset that fails fails the reload (stale KV of the old weights
+    would answer long prompts)."""
     await inner.collective_rpc("reload_weights", kwargs={"weights_path": path})
     await inner.collective_rpc(refresh_tied_head)
     if draft_path is not None:
         await inner.collective_rpc(reload_draft, args=(draft_path,))
-    await inner.reset_prefix_cache()
+    if not await inner.reset_prefix_cache():
+        raise RuntimeError("the engine could not reset its prefix cache")
 
 
 @dataclass
@@ -299,14 +303,19 @@ class HotSwapper:
             canary_s = time.perf_counter() - t2
             if not err <= self.tolerance(path):
                 raise RuntimeError(f"canary mean |Δ logprob| {err:.4f} > tolerance {self.tolerance(path)}")
-            eng.weights = WeightState(old.version + 1, path, sha, draft_path or old.draft_path)
+            # same engine, same stack (which may be a second engine's since an earlier switch)
+            eng.weights = WeightState(old.version + 1, path, sha, draft_path or old.draft_path, stack=old.stack)
             return SwapResult(old.version + 1, sha, path, time.perf_counter() - t0, drain_s, load_s, canary_s, err)
         except Exception as e:
-            restored = await self._restore(old, old_expected, draft_changed=draft_path is not None)
-            raise SwapError(500 if not restored else 422, f"swap to {path} failed ({e}); "
-                            + ("old weights restored" if restored else "RESTORE FAILED"), restored) from None
+            if await self._restore(old, old_expected, draft_changed=draft_path is not None):
+                raise SwapError(422, f"swap to {path} failed ({e}); old weights restored", True) from None
+            reason = (f"swap to {path} failed ({e}) and restoring {old.path} failed too: the engine holds "
+                      "unknown weights; it serves nothing until restarted")
+            log.error(reason)
+            eng.gate.fail(reason)
+            raise SwapError(500, reason) from None
         finally:
-            eng.gate.open()
+            eng.gate.open()  # no-op once failed
 
     async def _switch_engine(self, path: str, sha: str, expected: list[float]) -> SwapResult:
         """Start a second engine on `path`, canary it while the old one serves, then switch the
@@ -348,10 +357,15 @@ class HotSwapper:
         return SwapResult(old.version + 1, sha, path, pause_s, drain_s, load_s, canary_s, err)
 
     async def _restore(self, old: WeightState, expected: list[float], draft_changed: bool) -> bool:
+        """Reload `old` and check it; True only when the engine serves `old` again."""
         try:
             await reload_in_place(self.engine.inner, old.path, old.draft_path if draft_changed else None)
-            return await self.canary(expected) <= self.tolerance(old.path)
-        except Exception:
+            err = await self.canary(expected)
+        except Exception as e:
+            log.error("restoring %s failed: %s: %s", old.path, type(e).__name__, e)
             return False
-        finally:
-            self.engine.weights = old
+        self.engine.weights = old
+        if err > self.tolerance(old.path):
+            log.error("restored %s fails its canary (mean |Δ logprob| %.4f)", old.path, err)
+            return False
+        return True

@@ -1,0 +1,118 @@
+"""The hot-swap's failure paths on a scripted engine (the leaf that cannot be made to fail on
+demand: a real vLLM engine does not refuse a prefix-cache reset or a reload when asked). The
+folders, their checks, the canary arithmetic and the gate are the real ones."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from srv_util import perturbed_copy
+
+from rollout.capabilities import Capabilities
+from rollout.server.engine import Gate, GateFailed, TracingEngine, WeightState
+from rollout.server.swap import HotSwapper, SwapError, checkpoint_sha256
+
+CAPS = Capabilities("cpu", "_C", None, ("w4a16", "w8a8", "none"), 0, "nearest")
+
+
+class ScriptedEngine:
+    """What HotSwapper calls on vLLM's AsyncLLM. The canary's logprobs are those of the folder
+    loaded last (`logprobs[path]`); `fail` names calls that raise or report failure."""
+
+    def __init__(self, logprobs: dict[str, float], loaded: str):
+        self.logprobs, self.loaded, self.fail, self.calls = logprobs, loaded, set(), []
+
+    def get_tokenizer(self):
+        return SimpleNamespace(encode=lambda text: list(range(1, 9)))
+
+    async def collective_rpc(self, method, args=(), kwargs=None):
+        name = method if isinstance(method, str) else method.__name__
+        path = (kwargs or {}).get("weights_path")
+        self.calls.append((name, path))
+        if name == "reload_weights":
+            if ("reload", path) in self.fail:
+                raise RuntimeError(f"reload of {path} failed")
+            self.loaded = path
+        return [True]
+
+    async def reset_prefix_cache(self, *args) -> bool:
+        self.calls.append(("reset_prefix_cache", None))
+        if "reset" in self.fail:
+            self.fail.discard("reset")  # once
+            return False
+        return True
+
+    async def generate(self, prompt, params, request_id):
+        lp = self.logprobs[self.loaded]
+        ids = prompt["prompt_token_ids"]
+        yield SimpleNamespace(prompt_logprobs=[None] + [{t: SimpleNamespace(logprob=lp)} for t in ids[1:]])
+
+
+@pytest.fixture
+def folders(tiny_base, tmp_path):
+    return str(tiny_base.path), str(perturbed_copy(tiny_base.path, tmp_path / "new").resolve())
+
+
+def _swapper(old: str, new: str, stack=None):
+    inner = ScriptedEngine({old: -1.0, new: -2.0}, loaded=old)
+    engine = TracingEngine(inner, WeightState(0, old, checkpoint_sha256(old), stack=stack))
+    reference = lambda path, ids: [{old: -1.0, new: -2.0}[str(path)]] * (len(ids) - 1)  # noqa: E731
+    return HotSwapper(engine, 0.05, drain_timeout_s=1, reference=reference, caps=CAPS), engine, inner
+
+
+def test_an_in_place_swap_keeps_the_engines_stack(folders):
+    old, new = folders
+    second_engines_stack = object()  # what an earlier W8A8 switch left (a StackFingerprint)
+    swapper, engine, _ = _swapper(old, new, stack=second_engines_stack)
+    result = asyncio.run(swapper.swap(new))
+    assert result.weight_version == 1 and engine.weights.path == new
+    assert engine.weights.stack is second_engines_stack
+
+
+def test_a_failed_prefix_cache_reset_fails_the_swap_and_restores(folders):
+    old, new = folders
+    swapper, engine, inner = _swapper(old, new)
+    inner.fail.add("reset")
+    with pytest.raises(SwapError) as e:
+        asyncio.run(swapper.swap(new))
+    assert e.value.status == 422 and e.value.restored and "prefix cache" in e.value.message
+    assert engine.weights.path == old and inner.loaded == old and engine.gate.is_open
+
+
+def test_a_failed_restore_closes_the_server_for_good(folders):
+    old, new = folders
+    swapper, engine, inner = _swapper(old, new)
+    swapper.reference = lambda path, ids: [-1.0] * (len(ids) - 1)  # the new folder fails its canary
+    inner.fail.add(("reload", old))  # ... and the old one cannot be reloaded
+
+    async def run():
+        with pytest.raises(SwapError) as e:
+            await swapper.swap(new)
+        assert e.value.status == 500 and not e.value.restored and "unknown weights" in e.value.message
+        assert not engine.gate.is_open and "unknown weights" in engine.gate.failure
+        with pytest.raises(GateFailed, match="unknown weights"):
+            async with engine.gate.admit():
+                pass
+
+    asyncio.run(run())
+
+
+def test_callers_waiting_at_a_gate_that_fails_are_refused():
+    async def run():
+        gate = Gate()
+        assert await gate.close(timeout=1)
+        waiter = asyncio.create_task(_enter(gate))
+        await asyncio.sleep(0.01)
+        gate.fail("weights unknown")
+        gate.open()  # a late open() does not reopen a failed gate
+        with pytest.raises(GateFailed, match="weights unknown"):
+            await waiter
+        assert not gate.is_open and gate.in_flight == 0
+
+    async def _enter(gate):
+        async with gate.admit():
+            pass
+
+    asyncio.run(run())
