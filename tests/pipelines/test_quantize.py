@@ -149,6 +149,15 @@ def _reference(src, spec, full_precision=()):
     return quantize_(model, spec, "prepare", full_precision=full_precision)
 
 
+def _bf16(t: torch.Tensor, rounding: str) -> torch.Tensor:
+    """float32 -> bfloat16 as a kernel build converts: "nearest" (even), or "toward_zero" (the
+    builds without AVX512-BF16 drop the low 16 bits)."""
+    t = t.float()
+    if rounding == "toward_zero":
+        return (t.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+    return t.to(torch.bfloat16)
+
+
 def _bits(t):
     return t.view(torch.int32)
 
@@ -250,23 +259,21 @@ def test_vllm_serves_the_fake_quant_function(case, kq_tiny_src, tmp_path):
         want = dequantize(q, scale, zp, spec, dtype=torch.float32)
         x = torch.randn(16, q.shape[1], generator=torch.Generator().manual_seed(q.shape[1])).to(torch.bfloat16)
         if spec.weight_bits == 4:
-            # (q - z) * s is exact in float32, so one rounding to bf16 either way (bit for bit);
-            # vLLM then accumulates in float32 and rounds the output once.
-            assert torch.equal(w, want.to(torch.bfloat16)), name
-            y_want = x.float() @ want.to(torch.bfloat16).float().t()
+            # (q - z) * s is exact in float32, so one rounding to bf16 either way (bit for bit,
+            # rounded as this build rounds: rollout.capabilities); vLLM then accumulates in
+            # float32 and rounds the output once.
+            assert torch.equal(w, _bf16(want, caps.bf16_rounding)), name
+            y_want = x.float() @ w.float().t()
         else:
             # Identity rows: 127 * q * (1/127) * s, rounded twice.
             torch.testing.assert_close(w.float(), want.to(torch.bfloat16).float(), rtol=2 ** -7, atol=0)
-            # Random rows: our per-token int8 activations, int32 matmul and scales (the torch twins)
-            # in float32, rounded to bf16 as this kernel build does (_C_AVX2 and _C_AVX512:
-            # toward zero, rollout.capabilities).
+            # Random rows: our per-token int8 activations, int32 matmul and scales (the torch twins).
             x_q, x_s = quantize_act(x, spec)
             y_want = int8_matmul(x_q, x_s, q, scale, spec)
-            if caps.int8_bf16_rounding == "toward_zero":
-                y_want = (y_want.view(torch.int32) & ~0xFFFF).view(torch.float32)
         # Equal up to float32 summation order: at most one bf16 rounding apart, nearly all equal.
-        torch.testing.assert_close(y.float(), y_want.to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-5)
-        assert (y != y_want.to(torch.bfloat16)).float().mean() < 0.01, name
+        y_want = _bf16(y_want, caps.bf16_rounding)
+        torch.testing.assert_close(y.float(), y_want.float(), rtol=2 ** -7, atol=1e-5)
+        assert (y != y_want).float().mean() < 0.01, name
 
     ref = kq_torch_logprobs(fake_quant_model, prompts)
     full = kq_torch_logprobs(float_model, prompts)
