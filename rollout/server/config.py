@@ -54,6 +54,9 @@ class ServeConfig:
     trace_durability: Literal["commit", "interval"] = "commit"
     admin_token: str | None = None  # the admin API's bearer token; else read from admin_token_env
     admin_token_env: str = "FLYWHEEL_ADMIN_TOKEN"
+    # The environment variable holding the API key clients send as `Authorization: Bearer` on
+    # /v1/* (vLLM's --api-key); None: no key, allowed only when `host` is a loopback address.
+    api_key_env: str | None = None
     max_queue: int = 256  # requests admitted at once (running + waiting); beyond: 429 + Retry-After
     max_body_bytes: int = 4 * 1024 * 1024  # larger bodies: 413
     drain_timeout_s: float = 30.0  # hot-swap: how long in-flight requests may take to finish
@@ -67,7 +70,10 @@ class ServeConfig:
     # The engine's dtype when serving: "auto" is engine.dtype, except bfloat16 for a quantized format
     # (vLLM's quantized CPU kernels have no float32 path).
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    logprobs_mode: str = "raw_logprobs"  # vLLM's mode for the behaviour logprobs in traces
+    # vLLM's mode for the behaviour logprobs in traces: "processed_logprobs" is what the sampler drew
+    # from (after temperature, top-k/top-p, penalties), whatever the request's sampling parameters;
+    # "raw_logprobs" is the model's distribution before them (right only at T=1, top-p 1, no top-k)
+    logprobs_mode: str = "processed_logprobs"
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self):
@@ -90,11 +96,33 @@ class ServeConfig:
             raise ValueError(f"trace_durability must be commit or interval, got {self.trace_durability!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if self.api_key_env is None and not _is_loopback(self.host):
+            raise ValueError(f"api_key_env must name the environment variable holding the API key when host "
+                             f"is not a loopback address (host {self.host!r} is reachable by others)")
         if not self.trace_root:
             raise ValueError("trace_root must not be empty")
 
+    def resolved_api_key(self) -> str | None:
+        if self.api_key_env is None:
+            return None
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise ValueError(f"serve.api_key_env: the environment variable {self.api_key_env} is not set")
+        return key
+
     def resolved_admin_token(self) -> str | None:
         return self.admin_token or os.environ.get(self.admin_token_env) or None
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def vllm_cli_args(cfg: ServeConfig, engine: EngineConfig, model: str, port: int | None = None) -> list[str]:

@@ -47,7 +47,7 @@ def test_collect_through_the_server_then_build_the_dataset(srv_main, tiny_tokeni
     assert len(rows) == sum(len(r.turns) for r in results) + 1 and len(fb) == 8
     for t in rows:
         s = t["sampling"]
-        assert (s["temperature"], s["top_p"], s["top_k"], s["logprobs_mode"]) == (1.0, 1.0, -1, "raw_logprobs")
+        assert (s["temperature"], s["top_p"], s["top_k"], s["logprobs_mode"]) == (1.0, 1.0, -1, "processed_logprobs")
 
     traces = [Trace.from_row(t) for t in rows]
     by_id = {t.trace_id: t for t in traces}
@@ -68,7 +68,7 @@ def test_collect_through_the_server_then_build_the_dataset(srv_main, tiny_tokeni
                                                                "rating", "comment", "source", "created_at")}))
 
     m = build_dataset(DatasetConfig(trace_root=root, out_dir=tmp_path / "ds", tokenizer=str(tiny_base.path),
-                                    heldout_fraction=0.0))
+                                    heldout_fraction=0.0, logprobs_mode="processed_logprobs"))
     assert m.dropped_rows == {"duplicate_trace": 1, "duplicate_turn": 0, "status_not_ok": 0}
     assert m.dropped_episodes == {"misaligned": 1, "missing_reward": 1}
     assert m.train_episodes == 8 and m.groups == 2

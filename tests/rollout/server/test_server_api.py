@@ -32,7 +32,7 @@ def test_chat_tools_trace_has_exact_tokens_and_logprobs(srv_main, srv_client):
     assert row["completion_logprobs"] == pytest.approx(client_lps, abs=1e-5)
     assert row["weight_version"] == int(raw.headers["x-flywheel-weight-version"])
     assert row["checkpoint_sha256"] and row["stack"]["engine"] == "vllm" and row["stack"]["quant_format"] == "none"
-    assert row["sampling"]["temperature"] == 0 and row["sampling"]["logprobs_mode"] == "raw_logprobs"
+    assert row["sampling"]["temperature"] == 0 and row["sampling"]["logprobs_mode"] == "processed_logprobs"
     assert json.loads(row["tools"]) == TOOLS and json.loads(row["messages"]) == chat_messages()
     out = json.loads(row["output"])
     assert row["finish_reason"] == choice.finish_reason
@@ -64,6 +64,37 @@ def test_stream_records_logprobs_the_client_did_not_ask_for(srv_main):
     assert row["episode_id"] == "ep-stream" and row["turn"] == 0 and row["sampling"]["seed"] == 7
     if "tool_calls" not in json.loads(row["output"]):
         assert json.loads(row["output"])["content"] == text
+
+
+def test_logged_logprobs_are_the_sampling_distributions(srv_main, tiny_base, tiny_tokenizer):
+    """At T=0.7 and top-p 0.9 the trace's behaviour logprobs are those of the distribution the
+    token was drawn from (temperature, then the nucleus, renormalized), recomputed here by a
+    float32 transformers forward; vLLM's raw logprobs (before both) would be far off."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = tiny_tokenizer.apply_chat_template(chat_messages(), add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+    r = httpx.post(srv_main.url + "/v1/completions", timeout=60, json={
+        "model": "flywheel", "prompt": prompt, "max_tokens": 24, "temperature": 0.7, "top_p": 0.9, "seed": 3})
+    assert r.status_code == 200, r.text
+    row = srv_main.trace(r.headers["x-flywheel-trace-id"])
+    assert row["sampling"]["logprobs_mode"] == "processed_logprobs"
+    assert row["sampling"]["temperature"] == pytest.approx(0.7) and row["sampling"]["top_p"] == pytest.approx(0.9)
+    ids, out = row["prompt_token_ids"], row["completion_token_ids"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_base.path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + out])).logits[0, len(ids) - 1:-1].float() / 0.7
+    # vLLM's nucleus: drop the tokens whose ascending cumulative probability is <= 1 - top_p
+    sorted_logits, order = logits.sort(-1)
+    drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - 0.9
+    drop[:, -1] = False
+    nucleus = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    want = nucleus.log_softmax(-1).gather(-1, torch.tensor(out)[:, None])[:, 0]
+    raw = (logits * 0.7).log_softmax(-1).gather(-1, torch.tensor(out)[:, None])[:, 0]
+    got = torch.tensor(row["completion_logprobs"])
+    assert (got - want).abs().max() < 2e-3, (got - want).abs().max()
+    assert (got - raw).abs().max() > 0.05  # the test can tell the two apart on this sample
 
 
 def test_json_schema_response_format(srv_client):
