@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             served = resolve(cfg, model)
             check_servable(served.path, engine_for(cfg, served))
+            cfg.serve.resolved_api_key()
         except (ConfigError, ValueError) as e:
             print(f"config error: {args.config}: {e}", file=sys.stderr)
             return 2

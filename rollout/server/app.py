@@ -44,7 +44,31 @@ class ServerState:
 
     def unhealthy(self) -> str | None:
         """Why this server must not be sent traffic (None: healthy)."""
-        return self.engine.gate.failure
+        writer = self.writer.failure
+        return self.engine.gate.failure or (f"trace writer: {writer}" if writer else None)
+
+
+# vLLM's routes that stay open besides GETs: the traced generation routes and pure text tools
+# (tokenize, render); Flywheel's own routes (/v1/feedback, /admin/*) are added after the pruning.
+OPEN_POSTS = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/ping",
+              "/v1/messages/count_tokens")
+
+
+def turn_off_unserved_routes(app) -> list[str]:
+    """Remove vLLM's routes that change the server (`/scale_elastic_ep`, `/inference/v1/abort_requests`,
+    dev-mode `/pause`, `/collective_rpc`, ...) or generate without a trace (`/v1/responses`,
+    `/v1/messages`, `/inference/v1/generate`, `/invocations`, ...): what is left is read-only or
+    traced. Returns "METHODS path" of each route removed."""
+    keep, removed = [], []
+    for route in app.router.routes:
+        methods, path = getattr(route, "methods", None) or set(), getattr(route, "path", "")
+        if methods - {"GET", "HEAD"} and path not in OPEN_POSTS and not path.endswith(("/render", "/derender")):
+            removed.append(f"{','.join(sorted(methods))} {path}")
+        else:
+            keep.append(route)
+    app.router.routes[:] = keep
+    app.openapi_schema = None  # rebuilt without them
+    return removed
 
 
 def build_server_app(args, inner, cfg: ServeConfig, model: str, supported_tasks, caps=None):
@@ -73,6 +97,8 @@ def build_server_app(args, inner, cfg: ServeConfig, model: str, supported_tasks,
     metrics.weight_version.set(0)
     metrics.serving.labels(caps.device, caps.kernel_build, st.stack.quant_format, args.dtype).set(1)
     app = build_app(args, supported_tasks, inner.model_config)
+    if removed := turn_off_unserved_routes(app):
+        log.info("vLLM routes turned off (they change the server or generate untraced): %s", ", ".join(removed))
     add_routes(app, st)
     from starlette.middleware import Middleware
 
@@ -94,6 +120,8 @@ async def _serve(cfg: ServeConfig, engine_cfg: EngineConfig, model: str) -> None
 
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_cli_args(cfg, engine_cfg, model))
     validate_parsed_serve_args(args)
+    if (api_key := cfg.resolved_api_key()) is not None:  # vLLM's own check on /v1/* (Bearer)
+        args.api_key = [api_key]
     listen_address, sock = setup_server(args, reuse_port=False)
     async with build_async_engine_client_from_engine_args(AsyncEngineArgs.from_cli_args(args)) as inner:
         tasks = await inner.get_supported_tasks()
@@ -138,6 +166,7 @@ def serve(cfg: ServeConfig, engine_cfg: EngineConfig, model: str) -> None:
     from rollout.capabilities import detect
 
     fmt, caps = check_servable(model, engine_cfg), detect()
+    cfg.resolved_api_key()  # fails now, naming the key, when its variable is unset
     engine_cfg.apply_env()
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("(flywheel) %(levelname)s %(asctime)s %(message)s"))

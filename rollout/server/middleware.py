@@ -8,9 +8,12 @@ For the generation routes (`/v1/chat/completions`, `/v1/completions`) it
 - sets a `RequestContext` the `TracingEngine` fills, and sends `x-flywheel-trace-id` (and
   `x-flywheel-weight-version`) with the response headers;
 - parses the response as it passes (non-streamed JSON, or the SSE chunks) into the assistant
-  message, and writes the trace row. In "commit" durability the final body chunk is held until
-  the row is fsynced, so a client that saw a complete response has a durable trace; in
-  "interval" durability nothing waits.
+  message, and writes the trace row. In "commit" durability what completes a response for its
+  client (a JSON response's status line and body; a stream's `data: [DONE]`) is held until the
+  row is fsynced, so a client that saw a complete response has a durable trace, and a row that
+  cannot be committed turns the answer into a 503 (or a final SSE error event); while the writer
+  is failed, commit mode answers generation requests 503 up front, and /health says why. In "interval"
+  durability nothing waits.
 Requests that fail (4xx/5xx, 429 included) or are aborted by the client are traced too, with
 their status; only a body refused for its size (413) is not (it is never read whole).
 """
@@ -103,6 +106,9 @@ class FlywheelMiddleware:
                                       [(b"retry-after", b"1")])
         if (problem := _tool_schema_problem(body)) is not None:
             return await self._reject(scope, body, send, 400, problem, "BadRequestError")
+        if st.cfg.trace_durability == "commit" and (failure := st.writer.failure):
+            return await self._reject(scope, body, send, 503, f"traces cannot be made durable ({failure}); "
+                                      "refusing in commit durability", "ServiceUnavailableError")
         st.admitted += 1
         try:
             await self._traced(scope, body, receive, send, st)
@@ -124,30 +130,64 @@ class FlywheelMiddleware:
 
         replay = _replay(body, receive)
 
-        async def record(final: bool):
+        commit = st.writer.cfg.durability == "commit"
+        held_start: list = [None]  # commit mode, non-streamed: the status waits for the commit
+        refused = [False]  # the trace could not be committed and the client was told: send no more
+
+        async def record(final: bool) -> Exception | None:
+            """Write the request's rows; in commit mode (final) wait until durable and return the
+            first error, else log errors (an aborted request is written without waiting)."""
             traces = build_traces(ctx, req, headers, parser, status_code[0], st, aborted=not final)
             for t in traces:
                 try:
-                    if final and st.writer.cfg.durability == "commit":
+                    if final and commit:
                         await st.writer.append(t)
                     else:
                         st.writer.append_nowait(t)
-                except Exception:  # a trace that cannot be written must not fail the request
+                except Exception as e:
                     log.exception("trace %s could not be written", t.trace_id)
+                    if final and commit:
+                        return e
+            return None
 
         async def send_wrapped(message):
+            if refused[0]:
+                return
             if message["type"] == "http.response.start":
                 status_code[0] = message["status"]
                 message = dict(message)
                 version = ctx.weights.version if ctx.weights else st.engine.weights.version
                 message["headers"] = list(message.get("headers", [])) + [
                     trace_id_hdr, (b"x-flywheel-weight-version", str(version).encode())]
+                if commit and b"text/event-stream" not in dict(message["headers"]).get(b"content-type", b""):
+                    held_start[0] = message
+                    return
             elif message["type"] == "http.response.body":
-                parser.feed(message.get("body", b""))
-                if not message.get("more_body", False) and not finished[0]:
+                chunk = message.get("body", b"")
+                parser.feed(chunk)
+                # A stream is complete for its client at `data: [DONE]`: that chunk leaves only
+                # once the trace is durable (commit mode); so does a JSON response's status line.
+                complete = not message.get("more_body", False) or (commit and b"data: [DONE]" in chunk)
+                if complete and not finished[0]:
                     finished[0] = True
-                    await record(final=True)
+                    if (error := await record(final=True)) is not None:
+                        return await _refuse_uncommitted(error, message)
+            if held_start[0] is not None:
+                start, held_start[0] = held_start[0], None
+                await send(start)
             await send(message)
+
+        async def _refuse_uncommitted(error: Exception, message) -> None:
+            """The trace could not be made durable: the client must not take the answer as served."""
+            refused[0] = True
+            text = f"the response was generated but its trace could not be made durable ({error})"
+            if held_start[0] is not None:  # nothing sent yet: a plain 503
+                held_start[0] = None
+                for m in _json_response(503, text, "ServiceUnavailableError", [trace_id_hdr]):
+                    await send(m)
+                return
+            event = json.dumps({"error": {"message": text, "type": "ServiceUnavailableError", "code": 503}})
+            await send({"type": "http.response.body", "body": f"data: {event}\n\n".encode(), "more_body": False})
 
         token = ACTIVE.set(ctx)
         try:

@@ -88,8 +88,12 @@ def add_routes(app, st) -> None:
         """Block until every trace and feedback row so far is in a Parquet part (readable)."""
         if (denied := _auth(request)) is not None:
             return denied
-        await asyncio.to_thread(st.writer.flush)
-        await asyncio.to_thread(st.feedback.flush)
+        try:
+            await asyncio.to_thread(st.writer.flush)
+            await asyncio.to_thread(st.feedback.flush)
+        except Exception as e:  # a dead writer must not answer "flushed"
+            log.error("flush failed: %s", e)
+            return JSONResponse({"flushed": False, "error": {"message": str(e), "code": 503}}, status_code=503)
         return {"flushed": True}
 
     @app.post("/admin/weights")

@@ -108,6 +108,9 @@ class PartitionedLog:
         self._pending: list[tuple[dict | None, Any]] = []
         self._barriers = 0
         self._closed = False
+        self._inflight: list = []  # the group being committed (committer thread)
+        self._dead: str | None = None  # the committer died (a bug): nothing is written any more
+        self._io_error: str | None = None  # the last group commit failed; cleared by the next that succeeds
         self._segment: SegmentWriter | None = None
         self._segment_started = 0.0
         self._sealed: queue.Queue = queue.Queue()
@@ -178,10 +181,17 @@ class PartitionedLog:
             if self.durability == "commit" or n == 1 or n >= self.max_rows_per_file:
                 self._cond.notify()  # interval mode: the first row starts the committer's clock
 
+    @property
+    def failure(self) -> str | None:
+        """Why rows are not being made durable now (None: they are)."""
+        return self._dead or self._io_error
+
     def flush(self, final: bool = False) -> None:
-        """Block until every row put so far is in a Parquet part."""
+        """Block until every row put so far is in a Parquet part; RuntimeError if that cannot be."""
         barrier = _Barrier(final)
         with self._cond:
+            if self._dead is not None:
+                raise RuntimeError(self._dead)
             if self._closed:
                 return
             self._closed = final  # the final barrier is the last item ever queued
@@ -217,9 +227,11 @@ class PartitionedLog:
             self._commit_rows()
         except BaseException as e:  # a bug, not an I/O error: fail every waiter, accept no more
             log.exception("the WAL committer died")
+            self._dead = f"the {self.table_dir.name} WAL committer died: {e!r}; rows are no longer written"
             with self._cond:
                 self._closed = True
-                items, self._pending = self._pending, []
+                items, self._pending = self._inflight + self._pending, []
+            self._inflight = []
             self._release(items, [RuntimeError(f"the WAL committer died: {e!r}")] * len(items))
             self._sealed.put(_Barrier(final=True))
 
@@ -268,6 +280,7 @@ class PartitionedLog:
         """One commit: the group's rows as WAL records, then one fsync."""
         if not group:
             return
+        self._inflight = group  # released by _commit_loop if this commit dies
         errors: list[BaseException | None] = [None] * len(group)
         batches = []
         # Converting Python rows holds the GIL for the whole call: convert in small chunks so
@@ -296,10 +309,13 @@ class PartitionedLog:
                 self.fsyncs += 1
                 self.commit_groups += 1
                 self.rows_committed += sum(b.num_rows for b in batches)
+                self._io_error = None
             except OSError as e:
                 log.exception("WAL write failed; a group of %d rows is reported failed", len(group))
+                self._io_error = f"the {self.table_dir.name} WAL could not be written: {e}"
                 errors = [err or e for err in errors]
                 self._seal()  # its valid prefix is converted; the torn record is skipped
+        self._inflight = []
         self._release(group, errors)
 
     def _to_batch(self, rows: list[dict]) -> pa.RecordBatch:

@@ -117,9 +117,14 @@ class TraceWriter:
         errors are logged and counted in `traces_failed_total`."""
         self._log.put(trace.to_row(), None)
 
+    @property
+    def failure(self) -> str | None:
+        """Why traces are not being made durable now (None: they are)."""
+        return self._log.failure
+
     def flush(self) -> None:
         """Block until every trace appended so far is in a Parquet part (from async code:
-        `await asyncio.to_thread(writer.flush)`)."""
+        `await asyncio.to_thread(writer.flush)`); RuntimeError when the writer has failed."""
         self._log.flush()
 
     def close(self) -> None:
@@ -179,6 +184,8 @@ def register_metrics(registry, writer: TraceWriter) -> object:
             ):
                 yield CounterMetricFamily(name, doc, value=value)
             yield GaugeMetricFamily("trace_wal_bytes", "WAL bytes not yet converted to Parquet.", value=s.wal_bytes)
+            yield GaugeMetricFamily("trace_writer_up", "1 while traces are being made durable, 0 after a failure.",
+                                    value=0 if writer.failure else 1)
             cumulative, buckets = 0, []
             for bound, count in zip((*s.write_seconds_buckets, float("inf")), s.write_seconds_counts):
                 cumulative += count

@@ -124,3 +124,41 @@ def test_check_folder_refuses_incompatible_checkpoints(tiny_base, tmp_path):
     (tampered / "model.safetensors").write_bytes((tampered / "model.safetensors").read_bytes()[:-8] + b"\0" * 8)
     with pytest.raises(SwapError, match="manifest sha256"):
         check_folder(tampered, base)
+
+
+def test_a_server_reachable_by_others_needs_an_api_key(monkeypatch):
+    with pytest.raises(ValueError, match="api_key_env must name"):
+        ServeConfig(host="0.0.0.0")
+    assert ServeConfig(host="::1").api_key_env is None and ServeConfig(host="localhost").resolved_api_key() is None
+    cfg = ServeConfig(host="0.0.0.0", api_key_env="FLYWHEEL_TEST_API_KEY")
+    monkeypatch.delenv("FLYWHEEL_TEST_API_KEY", raising=False)
+    with pytest.raises(ValueError, match="serve.api_key_env: .*FLYWHEEL_TEST_API_KEY is not set"):
+        cfg.resolved_api_key()
+    monkeypatch.setenv("FLYWHEEL_TEST_API_KEY", "k1")
+    assert cfg.resolved_api_key() == "k1"
+
+
+def test_vllm_routes_that_change_the_server_are_off_and_v1_takes_the_key():
+    """vLLM's own app (no engine: its handlers are not reached), as the server builds it."""
+    from fastapi.testclient import TestClient
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from rollout.server.app import turn_off_unserved_routes
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(
+        vllm_cli_args(ServeConfig(), EngineConfig(), "/m"))
+    args.api_key = ["k1"]
+    app = build_app(args, ("generate",), None)
+    removed = turn_off_unserved_routes(app)
+    assert "POST /scale_elastic_ep" in removed and "POST /inference/v1/abort_requests" in removed
+    assert "POST /v1/responses" in removed and "POST /v1/chat/completions" not in removed
+    client = TestClient(app, raise_server_exceptions=False)
+    for path in ("/scale_elastic_ep", "/is_scaling_elastic_ep", "/inference/v1/generate", "/v1/messages"):
+        assert client.post(path, json={}).status_code in (401, 404), path  # gone (or refused first)
+        assert client.post(path, json={}, headers={"authorization": "Bearer k1"}).status_code == 404, path
+    assert client.post("/v1/chat/completions", json={}).status_code == 401
+    assert client.post("/v1/chat/completions", json={}, headers={"authorization": "Bearer k1"}).status_code != 401
+    paths = app.openapi()["paths"]
+    assert "/scale_elastic_ep" not in paths and "/v1/chat/completions" in paths
