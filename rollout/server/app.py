@@ -125,6 +125,7 @@ async def _serve(cfg: ServeConfig, engine_cfg: EngineConfig, model: str) -> None
     listen_address, sock = setup_server(args, reuse_port=False)
     async with build_async_engine_client_from_engine_args(AsyncEngineArgs.from_cli_args(args)) as inner:
         tasks = await inner.get_supported_tasks()
+        await inner.update_weight_version("0")  # vLLM labels each output token with it (keep swaps)
         app, st = build_server_app(args, inner, cfg, model, tasks)
         await init_app_state(st.engine, app.state, args, tasks)
         app.state.flywheel = st

@@ -59,7 +59,12 @@ class ServeConfig:
     api_key_env: str | None = None
     max_queue: int = 256  # requests admitted at once (running + waiting); beyond: 429 + Retry-After
     max_body_bytes: int = 4 * 1024 * 1024  # larger bodies: 413
-    drain_timeout_s: float = 30.0  # hot-swap: how long in-flight requests may take to finish
+    # Hot-swap: "drain" waits for in-flight requests (a response never spans two versions; new
+    # requests wait up to drain_timeout_s, then the swap is refused); "keep" freezes them in the
+    # engine, reloads, and resumes them on the new weights (their later tokens are the new
+    # version's, recorded per token; new requests wait only for the reload and the canary).
+    swap_mode: Literal["drain", "keep"] = "drain"
+    drain_timeout_s: float = 5.0  # drain mode: the longest new requests wait for in-flight ones
     canary_tolerance: float | None = None  # hot-swap: max mean |Δ logprob| of the canary vs the
     # reference; None: what was measured for the served format on this kernel build (rollout.capabilities)
     # The served format: "auto" is the best one vLLM has kernels for here (W4A16 on AVX-512 CPUs and
@@ -92,6 +97,8 @@ class ServeConfig:
             raise ValueError(f"quant must be auto, w4a16, w8a8 or none, got {self.quant!r}")
         if self.w4a16_group_size <= 0 or self.w4a16_group_size % 2:
             raise ValueError(f"w4a16_group_size must be a positive even int, got {self.w4a16_group_size}")
+        if self.swap_mode not in ("drain", "keep"):
+            raise ValueError(f"swap_mode must be drain or keep, got {self.swap_mode!r}")
         if self.trace_durability not in ("commit", "interval"):
             raise ValueError(f"trace_durability must be commit or interval, got {self.trace_durability!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:

@@ -53,6 +53,8 @@ class GenRecord:
     num_cached_tokens: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # the weight version of each completion token when they differ ("keep" swaps), else None
+    token_versions: list[int] | None = None
 
 
 @dataclass
@@ -111,6 +113,10 @@ class Gate:
             return True
         except asyncio.TimeoutError:
             return False
+
+    def hold(self) -> None:
+        """Stop admitting without waiting for in-flight calls (a "keep" swap)."""
+        self._open.clear()
 
     def open(self) -> None:
         if self.failure is None:
@@ -205,6 +211,12 @@ def _absorb(rec: GenRecord, out, delta: bool) -> None:
         rec.finish_reason = c.finish_reason
         if c.finish_reason == "abort":
             rec.status = "aborted"
+    spans = getattr(c, "weight_versions", None)  # vLLM's labels (HotSwapper sets them), on the last output
+    if spans and any(str(sp.version) != str(rec.weight_version) for sp in spans):
+        try:
+            rec.token_versions = [int(sp.version) for sp in spans for _ in range(sp.end - sp.start)]
+        except ValueError:  # a label that is not ours
+            rec.token_versions = None
     m = c.spec_decode_metrics
     if m is not None:
         rec.spec_draft_tokens = int(m.num_draft_tokens)

@@ -20,6 +20,7 @@ from rollout.traces import Feedback
 log = logging.getLogger("flywheel.server")
 FEEDBACK_FIELDS = {"trace_id", "reward", "rating", "comment", "source", "episode_id"}
 MAX_FEEDBACK_BATCH = 1000
+SWAP_FIELDS = {"path", "draft_path", "mode", "clear_cache"}
 
 
 def add_routes(app, st) -> None:
@@ -104,13 +105,17 @@ def add_routes(app, st) -> None:
             body = await request.json()
         except ValueError:
             return _err(400, 'body must be JSON: {"path": "<checkpoint folder>"}')
-        if not isinstance(body, dict) or not isinstance(body.get("path"), str) or set(body) - {"path", "draft_path"}:
-            return _err(400, 'body must be {"path": "<checkpoint folder>", "draft_path"?: "<draft folder>"}')
-        draft = body.get("draft_path")
+        usage = ('body must be {"path": "<checkpoint folder>", "draft_path"?: "<draft folder>", '
+                 '"mode"?: "drain" | "keep", "clear_cache"?: true | false}')
+        if not isinstance(body, dict) or not isinstance(body.get("path"), str) or set(body) - SWAP_FIELDS:
+            return _err(400, usage)
+        draft, mode, clear = body.get("draft_path"), body.get("mode", st.cfg.swap_mode), body.get("clear_cache", True)
         if draft is not None and not isinstance(draft, str):
             return _err(400, "draft_path must be a folder path")
+        if mode not in ("drain", "keep") or not isinstance(clear, bool):
+            return _err(400, usage)
         try:
-            result = await st.swapper.swap(body["path"], draft)
+            result = await st.swapper.swap(body["path"], draft, mode=mode, clear_cache=clear)
         except SwapError as e:
             log.warning("weight swap refused or rolled back: %s", e.message)
             return _err(e.status, e.message)

@@ -7,9 +7,13 @@ Invariants:
 - Nothing touches the engine until the folder passed its checks (files, manifest hashes, same
   architecture and shapes, same tokenizer, same quantization format) and its reference canary
   logprobs are computed (torch, transformers, on the CPU; outside the pause).
-- New generate calls wait at the gate (none fail); in-flight ones get `drain_timeout_s` to
-  finish, else the swap is refused and serving goes on untouched. So a request never spans two
-  versions, and the pause is drain + load + reset + canary.
+- Mode "drain" (the default): new generate calls wait at the gate (none fail); in-flight ones
+  get `drain_timeout_s` to finish, else the swap is refused and serving goes on untouched. So a
+  request never spans two versions, and the pause is drain + load + reset + canary.
+- Mode "keep": in-flight requests are frozen in the engine (vLLM's `pause_generation("keep")`),
+  the weights reload, the engine's weight-version label moves on, and they resume on the new
+  weights; vLLM reports each request's per-token version spans, which the trace keeps. New
+  calls wait for load + canary only. A failed canary pauses again and restores.
 - The canary is teacher-forced (prompt logprobs of a fixed token sequence): a mean |Δ logprob|
   above `tolerance` against the reference restores the previous folder (and checks it again).
 - A draft model given with the target (`draft_path`) is reloaded in the same pause, by the same
@@ -184,15 +188,15 @@ def reload_draft(worker, path: str) -> int:
     return len(files)
 
 
-async def reload_in_place(inner, path: str, draft_path: str | None = None) -> None:
+async def reload_in_place(inner, path: str, draft_path: str | None = None, reset_cache: bool = True) -> None:
     """vLLM's in-place reload, then what it misses (the tied head), the draft model when given,
     then a prefix-cache reset; a reset that fails fails the reload (stale KV of the old weights
-    would answer long prompts)."""
+    would answer long prompts). `reset_cache=False`: the caller's pause already reset it."""
     await inner.collective_rpc("reload_weights", kwargs={"weights_path": path})
     await inner.collective_rpc(refresh_tied_head)
     if draft_path is not None:
         await inner.collective_rpc(reload_draft, args=(draft_path,))
-    if not await inner.reset_prefix_cache():
+    if reset_cache and not await inner.reset_prefix_cache():
         raise RuntimeError("the engine could not reset its prefix cache")
 
 
@@ -206,6 +210,8 @@ class SwapResult:
     load_s: float
     canary_s: float
     canary_mean_abs_dlogprob: float
+    mode: str = "drain"  # "drain" | "keep" | "engine" (a second engine, switched under a drain)
+    kept_in_flight: int = 0  # "keep": requests frozen and resumed on the new weights
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -251,13 +257,16 @@ class HotSwapper:
         got = [d[t].logprob for t, d in zip(ids[1:], final.prompt_logprobs[1:])]
         return sum(abs(a - b) for a, b in zip(got, expected)) / len(expected)
 
-    async def swap(self, path: str, draft_path: str | None = None) -> SwapResult:
+    async def swap(self, path: str, draft_path: str | None = None, mode: str = "drain",
+                   clear_cache: bool = True) -> SwapResult:
+        """`mode` "drain" or "keep" (module docstring); `clear_cache` (keep only): False keeps the
+        KV that in-flight requests computed with the old weights instead of recomputing it."""
         if self._lock.locked():
             raise SwapError(409, "another weight swap is in progress")
         async with self._lock:
             try:
                 result = await self._swap(str(Path(path).resolve()),
-                                          str(Path(draft_path).resolve()) if draft_path else None)
+                                          str(Path(draft_path).resolve()) if draft_path else None, mode, clear_cache)
             except SwapError as e:
                 if self.metrics:
                     self.metrics.swaps.labels("restored" if e.restored else "refused").inc()
@@ -268,7 +277,8 @@ class HotSwapper:
                 self.metrics.weight_version.set(result.weight_version)
             return result
 
-    async def _swap(self, path: str, draft_path: str | None) -> SwapResult:
+    async def _swap(self, path: str, draft_path: str | None, mode: str = "drain", clear_cache: bool = True
+                    ) -> SwapResult:
         eng, old = self.engine, self.engine.weights
         second_engine = needs_new_engine(path, self.caps) or needs_new_engine(old.path, self.caps)
         sha = await asyncio.to_thread(check_folder, path, old.path, not second_engine)
@@ -288,6 +298,8 @@ class HotSwapper:
             if draft_path is not None:
                 raise SwapError(400, "draft_path is not supported with a W8A8 (second-engine) swap")
             return await self._switch_engine(path, sha, expected)
+        if mode == "keep":
+            return await self._swap_keep(path, sha, draft_path, expected, old_expected, clear_cache)
         t0 = time.perf_counter()
         if not await eng.gate.close(self.drain_timeout_s):
             eng.gate.open()
@@ -305,6 +317,7 @@ class HotSwapper:
                 raise RuntimeError(f"canary mean |Δ logprob| {err:.4f} > tolerance {self.tolerance(path)}")
             # same engine, same stack (which may be a second engine's since an earlier switch)
             eng.weights = WeightState(old.version + 1, path, sha, draft_path or old.draft_path, stack=old.stack)
+            await eng.inner.update_weight_version(str(old.version + 1))
             return SwapResult(old.version + 1, sha, path, time.perf_counter() - t0, drain_s, load_s, canary_s, err)
         except Exception as e:
             if await self._restore(old, old_expected, draft_changed=draft_path is not None):
@@ -316,6 +329,55 @@ class HotSwapper:
             raise SwapError(500, reason) from None
         finally:
             eng.gate.open()  # no-op once failed
+
+    async def _swap_keep(self, path: str, sha: str, draft_path: str | None, expected: list[float],
+                         old_expected: list[float], clear_cache: bool) -> SwapResult:
+        """Freeze in-flight requests in the engine (vLLM's pause "keep"), reload, relabel, resume:
+        they go on with the new weights, their later tokens labelled with the new version (vLLM's
+        per-token weight-version spans, kept in the trace). New requests wait at the gate for the
+        reload and the canary only. With `clear_cache` (the default) the pause preempts the
+        running requests and resumes them by recomputing their KV with the new weights; without,
+        they attend to KV the old weights computed, and the prefix cache keeps old blocks until
+        it can be reset (vLLM refuses while requests hold them): the result says whether it was."""
+        eng, old, inner = self.engine, self.engine.weights, self.engine.inner
+        new_version = old.version + 1
+        t0 = time.perf_counter()
+        eng.gate.hold()
+        kept = eng.gate.in_flight
+        try:
+            await inner.pause_generation(mode="keep", clear_cache=clear_cache)
+            t1 = time.perf_counter()
+            await reload_in_place(inner, path, draft_path, reset_cache=False)
+            await inner.update_weight_version(str(new_version))
+            await inner.resume_generation()
+            load_s = time.perf_counter() - t1
+            if not clear_cache and not await inner.reset_prefix_cache():
+                log.warning("keep swap without clear_cache: the prefix cache holds blocks of the old weights")
+            t2 = time.perf_counter()
+            err = await self.canary(expected)
+            canary_s = time.perf_counter() - t2
+            if not err <= self.tolerance(path):
+                raise RuntimeError(f"canary mean |Δ logprob| {err:.4f} > tolerance {self.tolerance(path)}")
+            eng.weights = WeightState(new_version, path, sha, draft_path or old.draft_path, stack=old.stack)
+            return SwapResult(new_version, sha, path, time.perf_counter() - t0, 0.0, load_s, canary_s, err,
+                              mode="keep", kept_in_flight=kept)
+        except Exception as e:
+            try:  # the rejected weights served in-flight tokens for the canary's few ms: labelled so
+                await inner.pause_generation(mode="keep", clear_cache=True)
+                await inner.update_weight_version(str(old.version))
+                restored = await self._restore(old, old_expected, draft_changed=draft_path is not None, resume=True)
+            except Exception as e2:
+                log.error("restoring after a keep swap failed: %s: %s", type(e2).__name__, e2)
+                restored = False
+            if restored:
+                raise SwapError(422, f"swap to {path} failed ({e}); old weights restored", True) from None
+            reason = (f"swap to {path} failed ({e}) and restoring {old.path} failed too: the engine holds "
+                      "unknown weights; it serves nothing until restarted")
+            log.error(reason)
+            eng.gate.fail(reason)
+            raise SwapError(500, reason) from None
+        finally:
+            eng.gate.open()
 
     async def _switch_engine(self, path: str, sha: str, expected: list[float]) -> SwapResult:
         """Start a second engine on `path`, canary it while the old one serves, then switch the
@@ -348,18 +410,24 @@ class HotSwapper:
             raise SwapError(503, f"in-flight requests did not finish within {self.drain_timeout_s} s; "
                             "swap refused, serving goes on with the old engine")
         drain_s = time.perf_counter() - t0
+        await new_inner.update_weight_version(str(old.version + 1))
         old_inner = eng.inner
         eng.inner = new_inner
         eng.weights = WeightState(old.version + 1, path, sha, stack=stack)
         eng.gate.open()
         pause_s = time.perf_counter() - t0
         await asyncio.to_thread(retire_engine, old_inner)
-        return SwapResult(old.version + 1, sha, path, pause_s, drain_s, load_s, canary_s, err)
+        return SwapResult(old.version + 1, sha, path, pause_s, drain_s, load_s, canary_s, err, mode="engine")
 
-    async def _restore(self, old: WeightState, expected: list[float], draft_changed: bool) -> bool:
-        """Reload `old` and check it; True only when the engine serves `old` again."""
+    async def _restore(self, old: WeightState, expected: list[float], draft_changed: bool,
+                       resume: bool = False) -> bool:
+        """Reload `old` and check it; True only when the engine serves `old` again. `resume`: the
+        engine is paused (keep mode) and resumes after the reload."""
         try:
-            await reload_in_place(self.engine.inner, old.path, old.draft_path if draft_changed else None)
+            await reload_in_place(self.engine.inner, old.path, old.draft_path if draft_changed else None,
+                                  reset_cache=not resume)
+            if resume:
+                await self.engine.inner.resume_generation()
             err = await self.canary(expected)
         except Exception as e:
             log.error("restoring %s failed: %s: %s", old.path, type(e).__name__, e)

@@ -131,6 +131,9 @@ def build_traces(ctx: RequestContext, req: dict, headers: dict, parser: OutputPa
             finish_reason=(finish if i == 0 and finish else rec.finish_reason), status=status, error=err,
             ttft_ms=(rec.first_token_at - ctx.t0) * 1000 if rec.first_token_at else None,
             num_cached_prompt_tokens=rec.num_cached_tokens, spec_draft_tokens=rec.spec_draft_tokens,
-            spec_accepted_tokens=rec.spec_accepted_tokens, **common,
+            spec_accepted_tokens=rec.spec_accepted_tokens,
+            completion_weight_versions=rec.token_versions
+            if rec.token_versions and len(rec.token_versions) == len(rec.completion_token_ids) else None,
+            **common,
         ))
     return traces

@@ -76,6 +76,9 @@ TRACE_SCHEMA = pa.schema([
     ("prompt_token_ids", pa.list_(pa.int32())),
     ("completion_token_ids", pa.list_(pa.int32())),
     ("completion_logprobs", pa.list_(pa.float32())),
+    # the weight version of each completion token when a "keep" hot-swap changed the weights mid
+    # request (null: every token is `weight_version`'s). Added in place, nullable: older files read null.
+    ("completion_weight_versions", pa.list_(pa.int64())),
     ("output", pa.string()),
     ("finish_reason", pa.string()),
     ("status", pa.string()),
@@ -186,6 +189,7 @@ class Trace:
     num_cached_prompt_tokens: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    completion_weight_versions: list[int] | None = None  # per completion token, when they differ
 
     def __post_init__(self):
         for name in ("trace_id", "request_id", "model"):
@@ -205,6 +209,10 @@ class Trace:
                 f"completion_logprobs has {m} entries for {n} completion tokens "
                 f"(only a failed or aborted request may log none)"
             )
+        v = self.completion_weight_versions
+        if v is not None and (len(v) != n or min(v, default=self.weight_version) < self.weight_version):
+            raise ValueError(f"completion_weight_versions must hold one version >= weight_version per completion "
+                             f"token ({n}), got {len(v)}")
         utc_date(self.created_at)  # rejects naive timestamps
 
     def to_row(self) -> dict[str, Any]:

@@ -35,14 +35,14 @@ def _greedy(url: str, tokenizer) -> list[list[int]]:
 class StreamingLoad:
     """`n` threads sending streamed chat requests back to back until stopped."""
 
-    def __init__(self, url: str, n: int = 6):
-        self.url, self.results, self._stop = url, [], threading.Event()
+    def __init__(self, url: str, n: int = 6, max_tokens: int = 32):
+        self.url, self.results, self._stop, self.max_tokens = url, [], threading.Event(), max_tokens
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(n)]
 
     def _run(self, i: int) -> None:
         while not self._stop.is_set():
             body = {"model": "flywheel", "messages": chat_messages(PROMPTS[i % 2]), "stream": True,
-                    "max_tokens": 32, "temperature": 1.0, "ignore_eos": True}
+                    "max_tokens": self.max_tokens, "temperature": 1.0, "ignore_eos": True}
             try:
                 with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=120) as r:
                     raw = r.read().decode()
@@ -145,3 +145,33 @@ def test_bad_checkpoints_are_refused_or_restored(srv_main, tiny_base, tiny_token
     status = srv_main.admin("GET", "/admin/status").json()
     assert status["weight_version"] == v0 and status["gate_open"]
     assert _greedy(srv_main.url, tiny_tokenizer) == before
+
+
+def test_keep_swap_resumes_in_flight_streams_on_the_new_weights(srv_main, tiny_base, tiny_tokenizer, tmp_path_factory):
+    """mode "keep": in-flight streams are frozen, not drained; they finish on the new weights and
+    their traces say which version sampled each token; none fails. Then back to the base."""
+    new = perturbed_copy(tiny_base.path, tmp_path_factory.mktemp("keep") / "fp2")
+    before = _greedy(srv_main.url, tiny_tokenizer)
+    v0 = srv_main.admin("GET", "/admin/status").json()["weight_version"]
+    with StreamingLoad(srv_main.url, n=6, max_tokens=96) as load:
+        time.sleep(2)
+        r = srv_main.admin("POST", "/admin/weights", json={"path": str(new), "mode": "keep"})
+        time.sleep(2)
+    assert r.status_code == 200, r.text
+    swap = r.json()
+    assert swap["mode"] == "keep" and swap["weight_version"] == v0 + 1 and swap["drain_s"] == 0
+    assert swap["kept_in_flight"] > 0 and swap["canary_mean_abs_dlogprob"] < 1e-3
+    failed = [x for x in load.results if x[0] != 200 or not x[3] or any("error" in e for e in sse_events(x[4]))]
+    assert not failed, failed[:3]
+    rows = {x["trace_id"]: x for x in srv_main.traces()}
+    spanning = [rows[t] for _, t, _, _, _ in load.results if rows[t]["completion_weight_versions"]]
+    assert spanning, "no in-flight stream was resumed across the swap"
+    for row in spanning:  # admitted under v0, finished under v0 + 1: a prefix of each version
+        versions = row["completion_weight_versions"]
+        assert row["weight_version"] == v0 and len(versions) == len(row["completion_token_ids"])
+        assert versions == sorted(versions) and set(versions) == {v0, v0 + 1}, versions
+    assert _greedy(srv_main.url, tiny_tokenizer) != before
+
+    back = srv_main.admin("POST", "/admin/weights", json={"path": tiny_base.path, "mode": "keep"})
+    assert back.status_code == 200 and back.json()["weight_version"] == v0 + 2
+    assert _greedy(srv_main.url, tiny_tokenizer) == before  # the recomputed KV holds nothing of v0 + 1

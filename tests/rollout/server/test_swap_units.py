@@ -44,6 +44,15 @@ class ScriptedEngine:
             return False
         return True
 
+    async def update_weight_version(self, version: str) -> None:
+        self.calls.append(("update_weight_version", version))
+
+    async def pause_generation(self, mode: str, clear_cache: bool) -> None:
+        self.calls.append(("pause_generation", mode))
+
+    async def resume_generation(self) -> None:
+        self.calls.append(("resume_generation", None))
+
     async def generate(self, prompt, params, request_id):
         lp = self.logprobs[self.loaded]
         ids = prompt["prompt_token_ids"]
@@ -116,3 +125,22 @@ def test_callers_waiting_at_a_gate_that_fails_are_refused():
             pass
 
     asyncio.run(run())
+
+
+def test_a_keep_swap_pauses_in_place_relabels_and_restores_on_a_bad_canary(folders):
+    old, new = folders
+    swapper, engine, inner = _swapper(old, new)
+    result = asyncio.run(swapper.swap(new, mode="keep"))
+    assert result.mode == "keep" and engine.weights.path == new and engine.gate.is_open
+    names = [c[0] for c in inner.calls]
+    assert names.index("pause_generation") < names.index("reload_weights") < names.index("resume_generation")
+    assert ("update_weight_version", "1") in inner.calls and "reset_prefix_cache" not in names  # the pause did it
+
+    inner.calls.clear()
+    inner.logprobs[old] = -3.0  # the engine now serves `old` wrongly: its canary fails
+    with pytest.raises(SwapError) as e:
+        asyncio.run(swapper.swap(old, mode="keep"))
+    assert e.value.status == 422 and e.value.restored
+    assert engine.weights.path == new and inner.loaded == new and engine.gate.is_open
+    labels = [c[1] for c in inner.calls if c[0] == "update_weight_version"]
+    assert labels == ["2", "1"]  # the rejected version's tokens keep its label; then back to 1
