@@ -1,5 +1,6 @@
 """Side by side in one run: this server (tracing on) vs vLLM's bare OpenAI server, same model, same
-engine settings, same load; then prefix-cache TTFT cold/warm, hot-swap pause vs raw load, and
+engine settings, same load; then prefix-cache TTFT cold/warm, hot-swap pause (idle, and what new
+requests wait under load per swap mode against that load: bench/swap_pause.py), and
 speculative (draft model, n-gram) vs plain decoding, all on this server.
 
     python bench/serve_compare.py [--model DIR] [--requests 192] [--concurrency 16] [--max-tokens 64]
@@ -171,6 +172,10 @@ def main() -> None:
             swaps.append({**r.json(), "http_s": time.perf_counter() - t})
         results["swap"] = {k: statistics.median(s[k] for s in swaps)
                            for k in ("pause_s", "load_s", "drain_s", "canary_s", "http_s")}
+        from swap_pause import measure  # new requests' wait during a swap vs the same load, per mode
+
+        results["swap_under_load"] = {mode: {k: v for k, v in r.items() if k != "runs"} for mode, r in
+                                      measure(ub, "bench", [str(new), str(a.model)], a.concurrency, 2).items()}
         stop(ours)
         if not a.skip_spec:
             from test_speculative_and_crash import build_draft
