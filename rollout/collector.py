@@ -14,10 +14,14 @@ Failure handling (the invariants the dataset build relies on):
 - a failed request (connection error, timeout, 429, 5xx) is retried with the same episode_id and
   turn; the server logs every attempt, and the dataset keeps the latest attempt of each turn, the
   one this client continued from (`duplicate_turn` counts the others);
-- an episode that runs past `episode_timeout_s`, or whose retries run out (its group's feedback
-  post included), is abandoned: it gets no feedback, so a build with
-  `pipelines.rewards:feedback_reward` drops it as "missing_reward";
-- each (problem, sample) yields exactly one `EpisodeResult`, ok or not: nothing is counted twice.
+- an episode that runs past `episode_timeout_s`, whose retries run out (its group's feedback
+  post included), or whose reply is malformed, is abandoned: it gets no reward, and (best effort)
+  an `abandoned` feedback row on its episode_id withdraws what the server traced of it from
+  training, whatever the build's reward function;
+- every feedback row carries a `feedback_id` derived from its episode, so a retried post cannot
+  add a second row (the server and the readers dedup on it);
+- each (problem, sample) yields exactly one `EpisodeResult`, ok or not: nothing is counted twice,
+  and no episode's failure stops the others.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import aiohttp
 
 from rollout.episode import agent_step, prompt_ids, tool_result_ids
 from rollout.task import Problem, reward
+from rollout.traces.feedback import ABANDONED
 
 RETRY_STATUS = (429, 500, 502, 503, 504)
 
@@ -139,6 +144,8 @@ async def collect(problems: list[Problem], tokenizer, cfg: CollectorConfig,
     left = [cfg.group_size] * len(problems)  # episodes of each group still playing
     finished: list[list[EpisodeResult]] = [[] for _ in problems]  # ok episodes awaiting their group
 
+    group_eps: list[list[EpisodeResult]] = [[] for _ in problems]
+
     async def one(ep: EpisodeResult) -> None:
         async with sem:  # a slot per episode while it samples
             try:
@@ -147,14 +154,19 @@ async def collect(problems: list[Problem], tokenizer, cfg: CollectorConfig,
                 ep.status, ep.error = "timeout", f"episode ran past {cfg.episode_timeout_s} s"
             except RequestFailed as e:
                 ep.status, ep.error = "error", str(e)
+            except Exception as e:  # a bug or a reply nobody foresaw: this episode only
+                ep.status, ep.error = "error", f"{type(e).__name__}: {e}"
         if ep.status == "ok":
             finished[ep.group].append(ep)
+        group_eps[ep.group].append(ep)
         left[ep.group] -= 1
-        if left[ep.group] == 0 and cfg.post_feedback and finished[ep.group]:
+        if left[ep.group] == 0 and cfg.post_feedback:
             # the group's rewards in one request, after the slots are freed: feedback waits on the
             # feedback table's commit, not the engine (posting feedback at all cost ~13% of
             # episodes/s on 2 cores: an A/B with it on and off against one server)
-            await _post_rewards(session, cfg, finished[ep.group], counters)
+            if finished[ep.group]:
+                await _post_rewards(session, cfg, finished[ep.group], counters)
+            await _withdraw([e for e in group_eps[ep.group] if e.status != "ok"], session, cfg, counters)
         bar.update(1)
 
     try:
@@ -198,9 +210,12 @@ async def _complete(client: aiohttp.ClientSession, cfg: CollectorConfig, prompt:
             "top_p": 1.0, "top_k": 0, "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
             "episode_id": episode_id, "turn": turn}
     r, attempts = await _post(client, cfg, "/v1/completions", body, counters)
-    choice = r.json()["choices"][0]
-    ids = list(choice["token_ids"])
-    lps = list((choice.get("logprobs") or {}).get("token_logprobs") or [])
+    try:
+        choice = r.json()["choices"][0]
+        ids = [int(t) for t in choice["token_ids"]]
+        lps = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise RequestFailed(f"turn {turn}: malformed reply ({type(e).__name__}: {e}): {r.body[:200]!r}") from None
     if len(lps) != len(ids):
         raise RequestFailed(f"turn {turn}: {len(lps)} logprobs for {len(ids)} tokens")
     version = r.headers.get("x-flywheel-weight-version")
@@ -215,12 +230,33 @@ async def _post_rewards(client: aiohttp.ClientSession, cfg: CollectorConfig, epi
     """The episodes' rewards to /v1/feedback, one array (on each last turn's trace, with episode_id);
     if it cannot be posted, the episodes are abandoned like any failed one."""
     body = [{"trace_id": ep.turns[-1].trace_id, "episode_id": ep.episode_id, "reward": ep.reward,
-             "source": cfg.feedback_source} for ep in episodes]
+             "source": cfg.feedback_source, "feedback_id": feedback_id(ep.episode_id, cfg.feedback_source)}
+            for ep in episodes]
     try:
         await _post(client, cfg, "/v1/feedback", body, counters)
     except RequestFailed as e:
         for ep in episodes:
-            ep.status, ep.error = "error", str(e)
+            ep.status, ep.error, ep.reward = "error", str(e), None
+
+
+async def _withdraw(episodes: list[EpisodeResult], client: aiohttp.ClientSession, cfg: CollectorConfig,
+                    counters) -> None:
+    """Best effort: an `abandoned` feedback row per episode given up on, so a dataset build drops
+    whatever turns of it the server traced (the client may not know them all)."""
+    if not episodes:
+        return
+    body = [{"trace_id": (ep.turns[-1].trace_id if ep.turns and ep.turns[-1].trace_id else f"episode:{ep.episode_id}"),
+             "episode_id": ep.episode_id, "source": ABANDONED, "comment": (ep.error or ep.status)[:500],
+             "feedback_id": feedback_id(ep.episode_id, ABANDONED)} for ep in episodes]
+    try:
+        await _post(client, cfg, "/v1/feedback", body, counters)
+    except RequestFailed:
+        pass  # the server is unreachable: nothing more this client can do
+
+
+def feedback_id(episode_id: str, source: str) -> str:
+    """The idempotency key of an episode's feedback from `source`: the same on every retry."""
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"flywheel:feedback:{episode_id}:{source}").hex
 
 
 @dataclass(frozen=True)

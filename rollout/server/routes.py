@@ -18,7 +18,8 @@ from rollout.server.swap import SwapError
 from rollout.traces import Feedback
 
 log = logging.getLogger("flywheel.server")
-FEEDBACK_FIELDS = {"trace_id", "reward", "rating", "comment", "source", "episode_id"}
+FEEDBACK_FIELDS = {"trace_id", "reward", "rating", "comment", "source", "episode_id", "feedback_id"}
+RECENT_FEEDBACK_IDS = 100_000  # client-chosen feedback_ids remembered for retries
 MAX_FEEDBACK_BATCH = 1000
 SWAP_FIELDS = {"path", "draft_path", "mode", "clear_cache"}
 
@@ -37,9 +38,13 @@ def add_routes(app, st) -> None:
         return JSONResponse({"error": {"message": message, "type": "BadRequestError" if status < 500
                                        else "InternalServerError", "code": status}}, status_code=status)
 
+    seen: dict[str, None] = {}  # committed client feedback_ids, oldest first (an ordered set)
+
     @app.post("/v1/feedback")
     async def feedback(request: Request):
-        """One feedback object, or a JSON array of up to MAX_FEEDBACK_BATCH of them (all or none)."""
+        """One feedback object, or a JSON array of up to MAX_FEEDBACK_BATCH of them (all or none).
+        A client-chosen `feedback_id` is an idempotency key: a retry of a committed one is answered
+        again without a second row (readers also keep the first row of an id)."""
         try:
             body = await request.json()
         except ValueError:
@@ -55,11 +60,21 @@ def add_routes(app, st) -> None:
                 return _err(400, f"{where}feedback must be a JSON object")
             if unknown := set(item) - FEEDBACK_FIELDS:
                 return _err(400, f"{where}unknown fields {sorted(unknown)}; allowed: {sorted(FEEDBACK_FIELDS)}")
+            fid = item.get("feedback_id")
+            if fid is not None and (not isinstance(fid, str) or not 0 < len(fid) <= 128):
+                return _err(400, f"{where}feedback_id must be a string of 1..128 characters")
             try:
                 fbs.append(Feedback(**item))
             except (TypeError, ValueError) as e:
                 return _err(400, f"{where}{e}")
-        await st.feedback.append_many(fbs)
+        new = [fb for fb in fbs if fb.feedback_id not in seen]
+        if len({fb.feedback_id for fb in new}) != len(new):
+            return _err(400, "feedback_id repeats within the request")
+        await st.feedback.append_many(new)
+        for fb in new:
+            seen[fb.feedback_id] = None
+        while len(seen) > RECENT_FEEDBACK_IDS:
+            del seen[next(iter(seen))]
         out = [{"feedback_id": fb.feedback_id, "trace_id": fb.trace_id} for fb in fbs]
         return {"data": out} if isinstance(body, list) else out[0]
 

@@ -28,7 +28,11 @@ from rollout.traces.schema import (
     utc_now,
 )
 
-__all__ = ["Feedback", "FeedbackStore", "read_feedback"]
+__all__ = ["ABANDONED", "Feedback", "FeedbackStore", "read_feedback"]
+
+# The source of a row that withdraws an episode from training: its client gave up on it (timed
+# out, retries exhausted), so a reward function must not score what it left behind.
+ABANDONED = "abandoned"
 
 
 @dataclass(kw_only=True)
@@ -47,8 +51,10 @@ class Feedback:
     def __post_init__(self):
         if not isinstance(self.trace_id, str) or not self.trace_id.strip():
             raise ValueError("feedback needs a non-empty trace_id")
-        if self.reward is None and self.rating is None:
+        if self.reward is None and self.rating is None and self.source != ABANDONED:
             raise ValueError(f"feedback for trace {self.trace_id} needs a reward or a rating")
+        if self.source == ABANDONED and (self.reward is not None or self.episode_id is None):
+            raise ValueError(f"source {ABANDONED!r} withdraws an episode: it needs episode_id and no reward")
         if self.reward is not None:
             if isinstance(self.reward, bool) or not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward):
                 raise ValueError(f"reward must be a finite number, got {self.reward!r}")

@@ -1,7 +1,7 @@
 """The collector's protocol and failure handling against a fake endpoint (a real aiohttp server on
 localhost whose handler is faked; the tokenizer and task are real). It plays the ideal episode,
-token-in/token-out, and injects 503s, 429s, dropped connections, a 400, a stalled request and a
-failed feedback post. The real server is
+token-in/token-out, and injects 503s, 429s, dropped connections, a 400, a stalled request, a
+malformed 200, a failed feedback post and one whose reply is lost. The real server is
 exercised in tests/rollout/server/test_collector_e2e.py."""
 
 from __future__ import annotations
@@ -34,10 +34,15 @@ class FakeEndpoint:
         else:
             key = (body["episode_id"], body["turn"])
         fault = (self.faults.get(key) or [None]).pop(0) if self.faults.get(key) else None
-        if request.path == "/v1/feedback" and fault is None:
+        if request.path == "/v1/feedback" and fault in (None, "accept-then-drop"):
             self.feedback_posts.append(body)
             self.feedback += body
+            if fault == "accept-then-drop":  # committed, but the reply is lost: the client retries
+                request.transport.close()
+                return web.Response()
             return web.json_response({"data": [{"feedback_id": "f", "trace_id": f["trace_id"]} for f in body]})
+        if fault == "malformed":  # a 200 that is not a completion
+            return web.json_response({"choices": []})
         if fault == "503":
             return web.json_response({"error": "busy"}, status=503)
         if fault == "429":
@@ -127,8 +132,28 @@ def test_failures_and_timeouts_abandon_the_episode_without_feedback(tiny_tokeniz
                       "r-1-2": "ok"}
     assert "HTTP 400" in results[0].error and "HTTP 503" in results[1].error
     assert all(r.reward is None for r in results if r.status != "ok")
-    assert {f["episode_id"] for f in fake.feedback} == {"r-0-2", "r-1-1", "r-1-2"}
+    rewards = [f for f in fake.feedback if f["source"] != "abandoned"]
+    withdrawn = [f for f in fake.feedback if f["source"] == "abandoned"]
+    assert {f["episode_id"] for f in rewards} == {"r-0-2", "r-1-1", "r-1-2"}
+    # the abandoned ones are withdrawn from training by episode (no reward), whatever was traced
+    assert {f["episode_id"] for f in withdrawn} == {"r-0-0", "r-0-1", "r-1-0"}
+    assert all("reward" not in f and f["comment"] for f in withdrawn)
     assert stats.episodes_failed == 3 and stats.episodes == 6
+
+
+def test_a_malformed_reply_abandons_its_episode_only(tiny_tokenizer):
+    _, fake, results, stats = _run(tiny_tokenizer, {("r-0-1", 1): ["malformed"]}, max_retries=1)
+    assert [r.status for r in results] == ["ok", "error", "ok", "ok", "ok", "ok"]
+    assert "malformed reply" in results[1].error and results[1].reward is None
+    assert [f["episode_id"] for f in fake.feedback if f["source"] == "abandoned"] == ["r-0-1"]
+
+
+def test_a_retried_feedback_post_carries_the_same_idempotency_keys(tiny_tokenizer):
+    _, fake, results, stats = _run(tiny_tokenizer, {("feedback", "r-0"): ["accept-then-drop"]})
+    assert all(r.status == "ok" for r in results) and stats.retries == 1
+    first, retry = [p for p in fake.feedback_posts if p[0]["episode_id"].startswith("r-0-")]
+    assert [f["feedback_id"] for f in first] == [f["feedback_id"] for f in retry]  # the server keeps one of each
+    assert len({f["feedback_id"] for f in fake.feedback}) == 6
 
 
 def test_a_group_whose_rewards_cannot_be_posted_is_abandoned(tiny_tokenizer):
@@ -136,8 +161,9 @@ def test_a_group_whose_rewards_cannot_be_posted_is_abandoned(tiny_tokenizer):
     _, fake, results, stats = _run(tiny_tokenizer, faults, max_retries=2)
     assert [r.status for r in results] == ["ok"] * 3 + ["error"] * 3
     assert all(r.reward is None and "HTTP 503" in r.error for r in results[3:])
-    assert {f["episode_id"] for f in fake.feedback} == {"r-0-0", "r-0-1", "r-0-2"}
-    assert stats.episodes_failed == 3 and stats.requests == 12 + 1 + 3 and stats.retries == 2
+    assert {f["episode_id"] for f in fake.feedback if f["source"] != "abandoned"} == {"r-0-0", "r-0-1", "r-0-2"}
+    assert {f["episode_id"] for f in fake.feedback if f["source"] == "abandoned"} == {"r-1-0", "r-1-1", "r-1-2"}
+    assert stats.episodes_failed == 3 and stats.requests == 12 + 1 + 3 + 1 and stats.retries == 2
 
 
 @pytest.mark.parametrize("change, field", [

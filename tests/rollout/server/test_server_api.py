@@ -248,10 +248,18 @@ def test_feedback_lands_in_the_feedback_table(srv_main, srv_client):
         assert httpx.post(srv_main.url + "/v1/feedback", json=empty).status_code == 400
     ok = httpx.post(srv_main.url + "/v1/feedback", json=batch)
     assert ok.status_code == 200 and [x["trace_id"] for x in ok.json()["data"]] == [trace_id] * 2
+    # a client-chosen feedback_id is an idempotency key: the retry is answered, not written again
+    keyed = {"trace_id": trace_id, "reward": 0.25, "source": "env:calc", "feedback_id": f"fb-{trace_id}"}
+    for _ in range(2):
+        again = httpx.post(srv_main.url + "/v1/feedback", json=keyed)
+        assert again.status_code == 200 and again.json()["feedback_id"] == f"fb-{trace_id}"
+    assert httpx.post(srv_main.url + "/v1/feedback", json=[keyed, keyed]).status_code == 200
+    assert httpx.post(srv_main.url + "/v1/feedback", json={**keyed, "feedback_id": ""}).status_code == 400
     srv_main.flush()
     rows = read_feedback(srv_main.trace_root).to_pylist()
     got = [(x["reward"], x["rating"], x["source"]) for x in rows if x["trace_id"] == trace_id]
-    assert sorted(got, key=repr) == sorted([(1.0, None, "env:calc"), (None, 1, "user"), (0.5, None, "user")], key=repr)
+    assert sorted(got, key=repr) == sorted([(1.0, None, "env:calc"), (None, 1, "user"), (0.5, None, "user"),
+                                            (0.25, None, "env:calc")], key=repr)
 
 
 def test_metrics_have_vllm_and_flywheel_series(srv_main, srv_client):
