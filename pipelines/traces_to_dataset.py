@@ -37,6 +37,7 @@ from pipelines.dataset.manifest import (DATASET_SCHEMA, DatasetConfig, RLDataset
 from loop.files import file_sha256
 from pipelines.rewards import EpisodeRecord, load_fn, score
 from rollout.traces import Feedback, read_feedback, read_traces
+from rollout.traces.feedback import ABANDONED
 
 __all__ = ["DATASET_SCHEMA", "DatasetConfig", "RLDatasetManifest", "build_dataset", "load_manifest"]
 
@@ -79,9 +80,13 @@ def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
         ids = trace_ids.take(rows).to_pylist()
         rewards = np.full(len(eps), np.nan)
         for k, (key, e) in enumerate(zip(keys, eps.tolist())):
+            fbs = feedback.get(key, ())
+            if any(f.source == ABANDONED for f in fbs):  # its client gave up on it: not training data
+                bad[e] = "abandoned"
+                continue
             record = EpisodeRecord(key, tuple(ids[starts[e]:starts[e + 1]]),
                                    tokens.input_ids[tokens.offsets[k]:tokens.offsets[k + 1]].tolist(), decode,
-                                   tuple(feedback.get(key, ())))
+                                   tuple(fbs))
             r = score(record, reward_fn, cfg.feedback_mode)
             if r is None:
                 bad[e] = "missing_reward"
@@ -184,9 +189,13 @@ def _feedback_by_episode(cfg: DatasetConfig, trace_ids: pa.ChunkedArray, ep_keys
     fb = fb.filter(pc.is_in(fb["_key"], value_set=pc.unique(ep_keys.combine_chunks())))
     fb = fb.take(pc.sort_indices(fb, [("created_at", "ascending"), ("feedback_id", "ascending")]))
     out: dict[str, list[Feedback]] = defaultdict(list)
+    seen: set[str] = set()  # a feedback_id is an idempotency key: its first row counts, retries do not
     for row in fb.to_pylist():
         key = row.pop("_key")
         row.pop("_ep")
+        if row["feedback_id"] in seen:
+            continue
+        seen.add(row["feedback_id"])
         out[key].append(Feedback(**row))
     return out
 

@@ -13,8 +13,12 @@ Row-level drops (a row is removed, its episode may survive): "status_not_ok" (er
 requests), "duplicate_trace" (a trace id seen before: a replayed row), "duplicate_turn" (an
 earlier attempt of an (episode, turn) that a retry superseded: the latest `created_at` wins).
 Episode-level drops: "missing_turn" (turn numbers are not 0..n-1), "logprobs_mode" (a turn's
-logprobs were not in the trainer's mode), "logprobs_length" (a turn logs a logprob count other
-than its completion length), "misaligned" (a prompt does not extend the previous turn).
+logprobs were not in the trainer's mode), "sampling" (a turn's logged logprobs are not the
+distribution its tokens were drawn from, and nothing here can correct them: a greedy request, or
+`raw_logprobs` logged under a temperature other than 1, top-p < 1 or top-k), "logprobs_length" (a
+turn logs a logprob count other than its completion length), "misaligned" (a prompt does not
+extend the previous turn). A turn whose tokens came from several weight versions (a "keep"
+hot-swap) carries each token's version (`completion_weight_versions`).
 
 Everything here is numpy over flat token arrays; no Python loop runs per token or per row.
 """
@@ -30,7 +34,7 @@ import pyarrow.compute as pc
 
 # trace columns the dataset build reads
 READ_COLUMNS = ["trace_id", "episode_id", "turn", "created_at", "weight_version", "status", "sampling",
-                "prompt_token_ids", "completion_token_ids", "completion_logprobs"]
+                "prompt_token_ids", "completion_token_ids", "completion_logprobs", "completion_weight_versions"]
 
 
 @dataclass
@@ -83,8 +87,22 @@ def order_episodes(meta: pa.Table, logprobs_mode: str) -> EpisodeOrder:
 
     modes = pc.struct_field(meta["sampling"], "logprobs_mode").to_numpy(zero_copy_only=False)[rows]
     _mark(bad, ep_of_row[modes != logprobs_mode], "logprobs_mode")
+    _mark(bad, ep_of_row[~_sampled_from_logged(meta["sampling"])[rows]], "sampling")
     _mark(bad, ep_of_row[t != position], "missing_turn")
     return EpisodeOrder(rows=rows, starts=starts, bad=bad, dropped_rows=dropped)
+
+
+def _sampled_from_logged(sampling: pa.ChunkedArray) -> np.ndarray:
+    """(n,) bool: the row's logged logprobs are those of the distribution its tokens were drawn
+    from. processed_logprobs are, at any temperature > 0, top-p, top-k (vLLM applies them before
+    it logs); raw_logprobs only at temperature 1, top-p 1, no top-k. Greedy rows never are."""
+    def field(name, fill):
+        return np.asarray(pc.struct_field(sampling, name).fill_null(fill).to_numpy(zero_copy_only=False))
+
+    temperature, top_p, top_k = field("temperature", 0.0), field("top_p", 1.0), field("top_k", -1)
+    processed = field("logprobs_mode", "") == "processed_logprobs"
+    untouched = (temperature == 1.0) & (top_p >= 1.0) & (top_k <= 0)
+    return (temperature > 0) & (processed | untouched)
 
 
 @dataclass
@@ -99,13 +117,16 @@ class TokenColumns:
     logprobs: np.ndarray  # float32
     logprobs_off: np.ndarray
     weight_version: np.ndarray  # (R,) int64
+    token_versions: np.ndarray  # int64, per completion token where the row logs them (else none)
+    token_versions_off: np.ndarray
 
     @classmethod
     def of(cls, table: pa.Table) -> "TokenColumns":
         P, P_off = _flat(table["prompt_token_ids"], np.int32)
         C, C_off = _flat(table["completion_token_ids"], np.int32)
         L, L_off = _flat(table["completion_logprobs"], np.float32)
-        return cls(P, P_off, C, C_off, L, L_off, np.asarray(table["weight_version"], dtype=np.int64))
+        V, V_off = _flat(table["completion_weight_versions"], np.int64)
+        return cls(P, P_off, C, C_off, L, L_off, np.asarray(table["weight_version"], dtype=np.int64), V, V_off)
 
 
 @dataclass
@@ -192,6 +213,13 @@ def assemble(cols: TokenColumns, rows: np.ndarray, starts: np.ndarray, bad: np.n
     logprobs[dst] = L[_ranges(L_off[turn], C_len[turn])]
     versions = np.full(len(input_ids), -1, dtype=np.int64)
     versions[dst] = np.repeat(cols.weight_version[rows[turn]], C_len[turn])
+    V_off = cols.token_versions_off[rows[turn]]
+    per_token = (cols.token_versions_off[rows[turn] + 1] - V_off) == C_len[turn]  # turns logging each token's
+    per_token &= C_len[turn] > 0
+    if per_token.any():
+        t = np.flatnonzero(per_token)
+        versions[_ranges(offsets[k_of_ep[ep_of_row[turn[t]]]] + P_len[turn[t]], C_len[turn[t]])] = \
+            cols.token_versions[_ranges(V_off[t], C_len[turn[t]])]
     return EpisodeTokens(episodes=eps, offsets=offsets, input_ids=input_ids, assistant_mask=mask,
                          behaviour_logprobs=logprobs, weight_versions=versions,
                          first_prompt_len=P_len[first].astype(np.int32))

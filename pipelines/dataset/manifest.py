@@ -52,7 +52,7 @@ class DatasetConfig:
     seed: int = 0  # salts the held-out hash; same seed, same split on every rebuild
     reward_fn: str = DEFAULT_REWARD_FN  # "module:function", (EpisodeRecord) -> float | None
     feedback_mode: FeedbackMode = "override"
-    logprobs_mode: str = "raw_logprobs"  # what the trainer expects; other modes are dropped
+    logprobs_mode: str = "processed_logprobs"  # what the trainer expects (the server's); others are dropped
     trainer_base_version: int | None = None  # lag reference; None: the newest version read
     chunk_rows: int = 200_000  # trace rows assembled at a time (bounds memory)
 

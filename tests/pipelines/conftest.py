@@ -21,7 +21,8 @@ GROUPS, G = 2, 4  # ds_episodes: GROUPS problems x G samples
 
 
 def episode_traces(ep: Episode, episode_id: str, *, versions: list[int] | None = None,
-                   logprobs_mode: str = "raw_logprobs", t0: datetime = T0) -> list[Trace]:
+                   logprobs_mode: str = "processed_logprobs", t0: datetime = T0, temperature: float = 1.0
+                   ) -> list[Trace]:
     """One `Trace` per turn of `ep`, as the server logs a token-in/token-out completion."""
     out = []
     for k, turn in enumerate(ep.turns):
@@ -29,7 +30,8 @@ def episode_traces(ep: Episode, episode_id: str, *, versions: list[int] | None =
         out.append(Trace(
             request_id=f"req-{episode_id}-{k}", model="flywheel", weight_version=(versions or [0] * 9)[k],
             checkpoint_sha256="0" * 64, stack=STACK,
-            sampling=SamplingInfo(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=48, logprobs_mode=logprobs_mode),
+            sampling=SamplingInfo(temperature=temperature, top_p=1.0, top_k=-1, max_tokens=48,
+                                  logprobs_mode=logprobs_mode),
             messages=json.dumps(turn.prompt_ids), prompt_token_ids=list(turn.prompt_ids),
             completion_token_ids=list(c.token_ids), completion_logprobs=list(c.logprobs),
             output=json.dumps({"content": ""}), finish_reason=c.finish_reason, e2e_ms=1.0,

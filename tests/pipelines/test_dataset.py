@@ -70,8 +70,17 @@ def test_build_keeps_exact_tokens_and_counts_planted_faults(ds_episodes, ds_trac
     # the same question with a feedback reward is kept, with that reward
     planted.append(retime(src[0], trace_id="fb-0", episode_id="fb-episode", turn=0,
                           prompt_token_ids=prompt_ids(tiny_tokenizer, chat)))
-    feedback = [Feedback(trace_id="fb-0", reward=0.25, source="user", created_at=T0),
-                Feedback(trace_id="fb-0", reward=0.75, source="user", created_at=T0 + timedelta(seconds=5))]
+    feedback = [Feedback(trace_id="fb-0", reward=0.25, source="user", created_at=T0, feedback_id="fb-a"),
+                Feedback(trace_id="fb-0", reward=0.75, source="user", created_at=T0 + timedelta(seconds=5)),
+                # a retried post of fb-a that reached the table twice: the first row of an id counts
+                Feedback(trace_id="fb-0", reward=0.9, source="user", created_at=T0 + timedelta(seconds=9),
+                         feedback_id="fb-a")]
+    # an episode its client abandoned (timed out after this turn): withdrawn, whatever it scores
+    planted += ds_traces(dict(ds_episodes)[two_turn[1]], "bad-abandoned")
+    feedback.append(Feedback(trace_id="bad-abandoned", episode_id="bad-abandoned", source="abandoned",
+                             comment="episode ran past 120 s", created_at=T0))
+    # greedy requests: their logprobs are no sampling distribution's
+    planted += ds_traces(dict(ds_episodes)[two_turn[1]], "bad-greedy", temperature=0.0)
     # duplicate trace: the same row written twice (e.g. a replayed WAL)
     planted.append(retime(good[two_turn[1]][1]))
     # a retried turn: an earlier attempt of the same (episode, turn), superseded by the logged one
@@ -80,7 +89,7 @@ def test_build_keeps_exact_tokens_and_counts_planted_faults(ds_episodes, ds_trac
     # a failed request, a logprobs mode the trainer does not take, an episode missing turn 0
     planted.append(retime(src[0], trace_id="err-0", episode_id="bad-error", status="error", error="boom",
                           completion_token_ids=[], completion_logprobs=[]))
-    planted += ds_traces(dict(ds_episodes)[two_turn[0]], "bad-mode", logprobs_mode="processed_logprobs")
+    planted += ds_traces(dict(ds_episodes)[two_turn[0]], "bad-mode", logprobs_mode="raw_logits")
     planted.append(retime(src[1], trace_id="gap-1", episode_id="bad-gap"))
 
     root = tmp_path / "data"
@@ -89,7 +98,8 @@ def test_build_keeps_exact_tokens_and_counts_planted_faults(ds_episodes, ds_trac
     m = build_dataset(cfg)
 
     assert m.dropped_rows == {"duplicate_trace": 1, "duplicate_turn": 1, "status_not_ok": 1}
-    assert m.dropped_episodes == {"logprobs_mode": 1, "misaligned": 1, "missing_reward": 1, "missing_turn": 1}
+    assert m.dropped_episodes == {"abandoned": 1, "logprobs_mode": 1, "misaligned": 1, "missing_reward": 1,
+                                  "missing_turn": 1, "sampling": 1}
     assert m.train_episodes == GROUPS * G + 1 and m.heldout_episodes == 0 and m.groups == GROUPS + 1
     assert load_manifest(tmp_path / "ds") == m
     rows = _rows(m)
@@ -122,6 +132,34 @@ def test_hot_swap_between_turns_keeps_each_tokens_version(ds_episodes, ds_traces
     m2 = build_dataset(DatasetConfig(trace_root=tmp_path / "data", out_dir=tmp_path / "ds2", weight_versions=(2,),
                                      tokenizer=ds_tokenizer_path))
     assert m2.rows_read == 1 and m2.dropped_episodes == {"missing_turn": 1} and m2.kept_episodes == 0
+
+
+def test_a_keep_swap_mid_turn_keeps_each_tokens_version(ds_episodes, ds_traces, ds_write, ds_tokenizer_path, tmp_path):
+    """A turn the server resumed on new weights logs each token's version: the dataset keeps them."""
+    eid, ep = next((e, x) for e, x in ds_episodes if len(x.turns) == 2)
+    traces = ds_traces(ep, "kept")
+    n = len(traces[1].completion_token_ids)
+    traces[1] = retime(traces[1], completion_weight_versions=[0] * (n // 2) + [1] * (n - n // 2))
+    ds_write(tmp_path / "data", traces)
+    m = build_dataset(DatasetConfig(trace_root=tmp_path / "data", out_dir=tmp_path / "ds",
+                                    tokenizer=ds_tokenizer_path, heldout_fraction=0.0))
+    row = _rows(m)["kept"]
+    s = len(traces[1].prompt_token_ids)
+    assert row["weight_versions"][s:s + n] == traces[1].completion_weight_versions
+    t0 = traces[0]
+    assert set(row["weight_versions"][len(t0.prompt_token_ids):len(t0.prompt_token_ids) + len(t0.completion_token_ids)]) == {0}
+
+
+def test_raw_logprobs_count_only_where_they_are_the_sampling_distribution(ds_episodes, ds_traces, ds_write,
+                                                                          ds_tokenizer_path, tmp_path):
+    """A trainer taking raw logprobs (older servers) keeps T=1 rows and drops those sampled at
+    another temperature: their logged logprobs are not what the tokens were drawn from."""
+    (e1, ep1), (e2, ep2) = [(e, x) for e, x in ds_episodes][:2]
+    ds_write(tmp_path / "data", ds_traces(ep1, "raw-t1", logprobs_mode="raw_logprobs")
+             + ds_traces(ep2, "raw-t07", logprobs_mode="raw_logprobs", temperature=0.7))
+    m = build_dataset(DatasetConfig(trace_root=tmp_path / "data", out_dir=tmp_path / "ds", heldout_fraction=0.0,
+                                    tokenizer=ds_tokenizer_path, logprobs_mode="raw_logprobs"))
+    assert set(_rows(m)) == {"raw-t1"} and m.dropped_episodes == {"sampling": 1}
 
 
 def test_heldout_is_by_group_and_stable_across_rebuilds(ds_episodes, ds_traces, ds_write, ds_tokenizer_path, tmp_path):
