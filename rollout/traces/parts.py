@@ -53,6 +53,7 @@ def write_parts(
     in chunks of at most `max_rows` rows, as atomic parts. Row order is preserved."""
     if table.num_rows == 0:
         return []
+    table = _as_hive_infers(table, partition_cols)
     keys = table.select(list(partition_cols)).group_by(list(partition_cols), use_threads=False).aggregate([])
     written = []
     for key in keys.to_pylist():
@@ -66,6 +67,18 @@ def write_parts(
             name = f"part-{uuid.uuid5(_NAMESPACE, f'{seed}/{subdir}/{i}')}.parquet"
             written.append(_write_atomic(piece.slice(start, max_rows), table_dir / subdir, tmp_dir, name, compression))
     return written
+
+
+def _as_hive_infers(table: pa.Table, partition_cols: tuple[str, ...]) -> pa.Table:
+    """Integer partition columns are stored in the files as int32, the type pyarrow's hive
+    inference gives their directory values, so a plain `ds.dataset(root, partitioning="hive")`
+    merges the two copies (int64 in the file made it fail). Readers given the schema
+    (`read_traces`) cast back to its int64."""
+    for col in partition_cols:
+        i = table.schema.get_field_index(col)
+        if pa.types.is_integer(table.schema.field(i).type) and table.schema.field(i).type != pa.int32():
+            table = table.set_column(i, pa.field(col, pa.int32()), pc.cast(table[col], pa.int32()))  # checked: no overflow
+    return table
 
 
 def _hive_value(value) -> str:

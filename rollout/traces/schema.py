@@ -11,9 +11,10 @@ Columns follow ARCHITECTURE.md's table, in its order, with these additions and p
 Partition columns. Files live under `traces/date=YYYY-MM-DD/weight_version=N/`, and the two
 partition columns are also stored in every file with the same values. The copy in the file is
 what `datasets` reads (its Parquet loader ignores hive directories); Polars reads the file's
-copy and DuckDB the directory's, which agree. pyarrow needs the schema when it sees both:
-`ds.dataset(path, partitioning="hive", schema=TRACE_SCHEMA)` (what `read_traces` does), because
-its own inference would type `weight_version` int32 and refuse to merge it with the file's int64.
+copy and DuckDB the directory's, which agree. The file stores `weight_version` as int32, the
+type pyarrow's hive inference gives the directory value, so a plain
+`ds.dataset(path, format="parquet", partitioning="hive")` merges the two (rollout/traces/parts.py);
+`read_traces` reads with this schema, int64.
 
 Every field is nullable in Arrow; the dataclasses below check what must be present.
 """

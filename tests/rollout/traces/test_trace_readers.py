@@ -41,6 +41,18 @@ def test_pyarrow_dataset_hive(tr_store):
     assert _rows(table.to_pylist()) == expected
 
 
+def test_pyarrow_plain_hive_read(tr_store, tmp_path):
+    """What a data engineer types first, with no schema: the partition columns' two copies (file
+    and directory) merge."""
+    root, expected = tr_store
+    table = ds.dataset(root / "traces", format="parquet", partitioning="hive").to_table()
+    assert table.num_rows == len(expected) and table.schema.names.count("weight_version") == 1
+    assert sorted(table["weight_version"].to_pylist()) == sorted(r["weight_version"] for r in expected)
+    with FeedbackStore(tmp_path) as store:
+        store.append_sync(Feedback(trace_id="t1", reward=1.0))
+    assert ds.dataset(tmp_path / "feedback", format="parquet", partitioning="hive").to_table().num_rows == 1
+
+
 def test_datasets_load_dataset(tr_store, tmp_path):
     datasets = pytest.importorskip("datasets")
     datasets.disable_progress_bars()
