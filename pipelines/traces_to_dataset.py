@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from pipelines.dataset.assemble import (READ_COLUMNS, EpisodeTokens, TokenColumns, _ranges, assemble, drop_counts,
@@ -58,7 +59,7 @@ def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
     order = order_episodes(table.select([c for c in READ_COLUMNS if "token" not in c and "logprobs" not in c]),
                            cfg.logprobs_mode)
     ep_keys = pc.coalesce(table["episode_id"], table["trace_id"])
-    feedback = _feedback_by_episode(cfg, table["trace_id"], ep_keys)
+    feedback = _feedback_by_episode(cfg, table["trace_id"], ep_keys, pc.min(table["created_at"]).as_py())
     versions = np.asarray(table["weight_version"], dtype=np.int64)
     base = cfg.trainer_base_version if cfg.trainer_base_version is not None else int(versions.max(initial=0))
 
@@ -131,9 +132,18 @@ def heldout_mask(keys: list[str], fraction: float, seed: int) -> list[bool]:
             for k in keys]
 
 
-def group_id(first_prompt: bytes) -> str:
-    """The GRPO group of an episode: a hash of turn 0's prompt token ids (int32 bytes)."""
-    return hashlib.blake2b(first_prompt, digest_size=8).hexdigest()
+def group_id(first_prompt: bytes, weight_version: int, episode_id: str) -> str:
+    """The GRPO group of an episode: episodes that answered the same turn-0 prompt (int32 bytes),
+    sampled by the same weight version, in the same collection round. The round is the episode
+    id up to its last "-": the collector names episodes `<run>-<problem>-<sample>`, so one
+    round's G samples of a problem share it and a later round's do not (other clients' ids
+    group by what precedes their last "-", or by prompt and version alone). A group that mixed
+    rounds or versions would compare rewards of different policies as if they were one."""
+    round_key = episode_id.rsplit("-", 1)[0] if "-" in episode_id else ""
+    h = hashlib.blake2b(first_prompt, digest_size=8)
+    h.update(int(weight_version).to_bytes(8, "little", signed=True))
+    h.update(round_key.encode())
+    return h.hexdigest()
 
 
 def _episode_table(tokens: EpisodeTokens, cols: TokenColumns, rows: np.ndarray, starts: np.ndarray,
@@ -148,7 +158,9 @@ def _episode_table(tokens: EpisodeTokens, cols: TokenColumns, rows: np.ndarray, 
     off = pa.array(tokens.offsets.astype(np.int32))
     return pa.table({
         "episode_id": pa.array(keys, pa.string()),
-        "group_id": pa.array([group_id(b) for b in first_prompts(cols, rows[starts[eps]])], pa.string()),
+        "group_id": pa.array([group_id(b, v, k) for b, v, k in zip(first_prompts(cols, rows[starts[eps]]),
+                                                                   cols.weight_version[rows[starts[eps]]].tolist(),
+                                                                   keys)], pa.string()),
         "trace_ids": pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(n_turns)]).astype(np.int32)),
                                               pa.array([trace_ids[p] for p in turn_pos.tolist()], pa.string())),
         "num_turns": pa.array(n_turns),
@@ -175,12 +187,20 @@ def _chunks(starts: np.ndarray, chunk_rows: int):
         e0 = e1
 
 
-def _feedback_by_episode(cfg: DatasetConfig, trace_ids: pa.ChunkedArray, ep_keys: pa.ChunkedArray
-                         ) -> dict[str, list[Feedback]]:
+def _feedback_by_episode(cfg: DatasetConfig, trace_ids: pa.ChunkedArray, ep_keys: pa.ChunkedArray,
+                         first_trace_at: datetime | None) -> dict[str, list[Feedback]]:
     """Feedback rows of the window's episodes, oldest first, keyed by episode (a row's own
-    `episode_id`, else that of the trace it names). Feedback of any date counts."""
-    fb = read_feedback(cfg.trace_root, columns=["feedback_id", "trace_id", "episode_id", "reward", "rating",
-                                                "comment", "source", "created_at"])
+    `episode_id`, else that of the trace it names). Only rows naming a trace or an episode of
+    the window are read (the scan filters them; partitions dated before the window's first
+    trace are not opened: feedback follows its trace), and only those become Python objects."""
+    if len(trace_ids) == 0:
+        return {}
+    first_date = first_trace_at.astimezone(timezone.utc).date() if first_trace_at is not None else None
+    wanted = (ds.field("trace_id").isin(pc.unique(trace_ids.combine_chunks()))
+              | ds.field("episode_id").isin(pc.unique(ep_keys.combine_chunks())))
+    fb = read_feedback(cfg.trace_root, since=first_date, filter=wanted,
+                       columns=["feedback_id", "trace_id", "episode_id", "reward", "rating", "comment", "source",
+                                "created_at"])
     if fb.num_rows == 0:
         return {}
     link = pa.table({"trace_id": trace_ids, "_ep": ep_keys})

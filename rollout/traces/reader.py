@@ -41,10 +41,17 @@ def read_feedback(
     root: str | Path,
     *,
     dates: Iterable[str | date] | None = None,
+    since: str | date | None = None,
+    filter: ds.Expression | None = None,
     columns: list[str] | None = None,
 ) -> pa.Table:
-    """Feedback rows under `<root>/feedback`, only of the given UTC dates if given."""
+    """Feedback rows under `<root>/feedback`, only of the given UTC dates, or of `since` and
+    later, and matching `filter` (a pyarrow expression, applied in the scan), if given."""
     expr = None if dates is None else ds.field("date").isin([_date_str(d) for d in dates])
+    if since is not None:
+        expr = _and(expr, ds.field("date") >= _date_str(since))
+    if filter is not None:
+        expr = _and(expr, filter)
     return _read(Path(root) / "feedback", FEEDBACK_SCHEMA, expr, columns)
 
 

@@ -162,9 +162,46 @@ def test_raw_logprobs_count_only_where_they_are_the_sampling_distribution(ds_epi
     assert set(_rows(m)) == {"raw-t1"} and m.dropped_episodes == {"sampling": 1}
 
 
+def test_groups_are_one_round_of_one_version(ds_episodes, ds_traces, ds_write, ds_tokenizer_path, tmp_path):
+    """The same problems collected in two rounds (episode ids <run>-<problem>-<sample>), and once
+    more by another weight version, are three sets of GRPO groups, not one."""
+    traces = []
+    for run, version in (("r1", 0), ("r2", 0), ("r3", 5)):
+        for eid, ep in ds_episodes:
+            traces += ds_traces(ep, f"{run}-{ep.problem.id}-{len(traces)}", versions=[version] * 2)
+    ds_write(tmp_path / "data", traces)
+    m = build_dataset(DatasetConfig(trace_root=tmp_path / "data", out_dir=tmp_path / "ds", heldout_fraction=0.0,
+                                    tokenizer=ds_tokenizer_path))
+    rows = _rows(m)
+    assert m.groups == 3 * GROUPS
+    for run in ("r1", "r2", "r3"):
+        by_problem = {}
+        for eid, row in rows.items():
+            if eid.startswith(run + "-"):
+                by_problem.setdefault(eid.rsplit("-", 1)[0], set()).add(row["group_id"])
+        assert len(by_problem) == GROUPS and all(len(g) == 1 for g in by_problem.values())
+
+
+def test_only_the_windows_feedback_is_read(ds_episodes, ds_traces, ds_write, ds_tokenizer_path, tmp_path,
+                                           monkeypatch):
+    import pipelines.traces_to_dataset as ttd
+
+    eid, ep = ds_episodes[0]
+    traces = ds_traces(ep, "w")
+    noise = [Feedback(trace_id=f"other-{i}", reward=1.0, created_at=T0 + timedelta(seconds=i)) for i in range(50)]
+    noise += [Feedback(trace_id=traces[-1].trace_id, reward=0.0, created_at=T0 - timedelta(days=3))]  # before its trace
+    ds_write(tmp_path / "data", traces, noise + [Feedback(trace_id=traces[-1].trace_id, reward=0.5, created_at=T0)])
+    read = []
+    real = ttd.read_feedback
+    monkeypatch.setattr(ttd, "read_feedback", lambda *a, **k: read.append(real(*a, **k)) or read[-1])
+    m = build_dataset(DatasetConfig(trace_root=tmp_path / "data", out_dir=tmp_path / "ds", heldout_fraction=0.0,
+                                    tokenizer=ds_tokenizer_path, reward_fn="pipelines.rewards:feedback_reward"))
+    assert [t.num_rows for t in read] == [1] and _rows(m)["w"]["reward"] == 0.5
+
+
 def test_heldout_is_by_group_and_stable_across_rebuilds(ds_episodes, ds_traces, ds_write, ds_tokenizer_path, tmp_path):
     traces = []
-    for i in range(5):  # 5 copies of the batch, each a fresh set of episode ids: 10 groups of 4+
+    for i in range(10):  # 10 copies of the batch, each a fresh round of episode ids: 20 groups of 4
         traces += [t for eid, ep in ds_episodes for t in ds_traces(ep, f"{i}-{eid}")]
     # distinct groups need distinct turn-0 prompts: shift each copy's prompts by a prefix token
     for t in traces:
