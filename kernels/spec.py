@@ -1,7 +1,7 @@
 """QuantSpec: the one description of a quantization format that QAT, requantize and validation share.
 
 A spec names exactly one of the formats the rollout service serves from a compressed-tensors
-checkpoint on vLLM (see /work/shared/notes/vllm-cpu.md):
+checkpoint on vLLM (which kernel build serves which: rollout/capabilities.py):
 
 - W4A16: int4 weights, per-group (or per-channel), symmetric or asymmetric, activations in the
   model dtype; compressed-tensors format `pack-quantized`.

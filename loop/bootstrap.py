@@ -16,11 +16,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from loop.files import file_sha256
+from rollout.artifacts import MANIFEST, file_sha256
 from trainers.bootstrap.model import ModelConfig
 from trainers.bootstrap.sft import SFTConfig
 
-MANIFEST = "flywheel_manifest.json"
 
 
 @dataclass
@@ -94,6 +93,7 @@ def bootstrap(cfg: BootstrapConfig, task: TaskConfig, log=lambda step, metrics: 
 
     import torch
 
+    from rollout.episode import hf_generate, run_episodes, success_rate
     from rollout.task import TOOLS, demonstration, make_problems
     from trainers.bootstrap.model import build_model
     from trainers.bootstrap.sft import sft
@@ -109,7 +109,12 @@ def bootstrap(cfg: BootstrapConfig, task: TaskConfig, log=lambda step, metrics: 
         tok = train_tokenizer(texts, cfg.model.vocab_size)
         tokenizer = save_hf_tokenizer(tok, tmp, cfg.model.max_position_embeddings)
         model = build_model(cfg.model, tokenizer, seed=cfg.sft.seed)
-        result = sft(model, tokenizer, cfg.sft, evals, train[: cfg.sft.num_train_problems], log=log)
+        def evaluate(m) -> float:  # the task's sampled success: what SFT stops on
+            return success_rate(run_episodes(evals, tokenizer, hf_generate(m, tokenizer),
+                                             temperature=cfg.sft.eval_temperature))
+
+        demos = [demonstration(p) for p in train[: cfg.sft.num_train_problems]]
+        result = sft(model, tokenizer, cfg.sft, demos, TOOLS, evaluate, log=log)
         model.save_pretrained(str(tmp), safe_serialization=True)
         manifest = BaseModelManifest(
             kind="base_model", path=str(folder), key=key,

@@ -1,7 +1,7 @@
 """The loop's `collect` and `build_dataset` phases: traffic through the endpoint -> an RL dataset.
 
     collect:       serve the policy (`loop serve` in a child process, or `collect.endpoint`), play
-                   `num_problems` x `group_size` calculator episodes through it over HTTP
+                   `num_problems` x `rollout.group_size` calculator episodes through it over HTTP
                    (rollout/collector.py); the server traces every request and the rewards
                    arrive as feedback. -> CollectManifest
     build_dataset: the traces of the window the collection wrote (its UTC dates and the weight
@@ -13,40 +13,42 @@
 from __future__ import annotations
 
 import json
+import uuid
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
 from loop.configs import to_dict
 from pipelines.rewards import DEFAULT_REWARD_FN, FeedbackMode
+from rollout.collector import CollectorConfig
+
+
+def _collector_defaults() -> CollectorConfig:
+    return CollectorConfig(concurrency=64)  # the endpoint is the loop's: its child server or `endpoint`
 
 
 @dataclass
 class CollectConfig:
+    """What to collect; `rollout` is the collector's own config (rollout.collector.CollectorConfig,
+    checked by itself), its base_url filled in by the phase."""
+
     endpoint: str | None = None  # a server already serving the policy into serve.trace_root; None: start one
     num_problems: int = 64  # problems of the task's train split
     problem_seed: int = 1
-    group_size: int = 8  # G episodes per problem (a GRPO group)
-    temperature: float = 1.0
-    max_tokens: int = 48  # per turn
-    max_turns: int = 2
-    concurrency: int = 64  # episodes in flight
+    rollout: CollectorConfig = field(default_factory=_collector_defaults)
 
     def __post_init__(self):
         if self.endpoint is not None and not str(self.endpoint).startswith(("http://", "https://")):
             raise ValueError(f"endpoint must be an http(s) URL or null, got {self.endpoint!r}")
         if isinstance(self.num_problems, bool) or not isinstance(self.num_problems, int) or self.num_problems < 1:
             raise ValueError(f"num_problems must be an int >= 1, got {self.num_problems!r}")
-        self.collector("http://checked")  # the collector's own checks, at load time
 
-    def collector(self, base_url: str, progress: bool = True):
-        from rollout.collector import CollectorConfig
-
-        return CollectorConfig(base_url=base_url, group_size=self.group_size, temperature=self.temperature,
-                               max_tokens=self.max_tokens, max_turns=self.max_turns, concurrency=self.concurrency,
-                               progress=progress)
+    def collector(self, base_url: str) -> CollectorConfig:
+        """The collector's config for one collection: its endpoint, and a fresh run id (episode
+        ids are `<run>-<problem>-<sample>`: every collection is a round of its own)."""
+        return replace(self.rollout, base_url=base_url, run_id=uuid.uuid4().hex[:8])
 
 
 @dataclass

@@ -10,7 +10,7 @@ else (embeddings, norms, biases, lm_head) is copied unchanged, shard by shard, w
 generation files. Which layers are quantized is kernels.quant_targets, the same rule QAT uses.
 
 Invariants: the output appears atomically (written to a temporary sibling, then renamed); the
-manifest (QuantizedCheckpoint, also written as quant_manifest.json) records the spec, the layer
+manifest (QuantizedCheckpoint, also written as flywheel_manifest.json) records the spec, the layer
 plan, the sha256 of every file and the parent; quantizing the latent weights of a QAT model gives
 bit for bit the tensors its `convert` step holds.
 """
@@ -33,9 +33,9 @@ from torch import nn
 
 from kernels import QuantizedLinear, QuantSpec, compress_weight, quant_targets
 from kernels.layers import check_fused, ignore_list, linear_names
-from loop.files import file_sha256
+from rollout.artifacts import MANIFEST, file_sha256
 
-MANIFEST_NAME = "quant_manifest.json"
+MANIFEST_NAME = MANIFEST  # the one artifact manifest name; the parent's is never copied
 SCHEMA_VERSION = 1
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 _NOT_COPIED = ("config.json", "model.safetensors.index.json", MANIFEST_NAME)

@@ -9,7 +9,7 @@ write Parquet -> manifest. The dataset's columns are `DATASET_SCHEMA`; what was 
 why, is counted in the manifest.
 
 Invariants: the output directory appears atomically (built in a temporary sibling, then
-renamed), with `manifest.json` recording every file's sha256; the held-out split depends only on
+renamed), with `flywheel_manifest.json` recording every file's sha256; the held-out split depends only on
 (seed, group id or episode id), so rebuilding a window, or a larger one, never moves an episode
 between train and held-out; an episode's tokens, mask and logprobs are exactly the logged ones.
 """
@@ -35,7 +35,7 @@ from pipelines.dataset.assemble import (READ_COLUMNS, EpisodeTokens, TokenColumn
                                        first_prompts, order_episodes)
 from pipelines.dataset.manifest import (DATASET_SCHEMA, DatasetConfig, RLDatasetManifest, TraceWindow,
                                         load_manifest, save_manifest)
-from loop.files import file_sha256
+from rollout.artifacts import file_sha256
 from pipelines.rewards import EpisodeRecord, load_fn, score
 from rollout.traces import Feedback, read_feedback, read_traces
 from rollout.traces.feedback import ABANDONED

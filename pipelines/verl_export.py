@@ -11,12 +11,11 @@ verl regenerates rollouts itself, so a row is a prompt, not an episode: one row 
     extra_info    struct<index, split, group_id, episode_ids, trace_ids, rewards>
 `train.parquet` holds the dataset's train split, `val.parquet` its held-out split (verl's
 `data.train_files` / `data.val_files`). The tool list is not in `prompt` (verl's agent loop takes
-tools from its tool config). Output appears atomically, with `verl_manifest.json` beside it.
+tools from its tool config). Output appears atomically, with `flywheel_manifest.json` beside it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -30,9 +29,10 @@ import pyarrow.parquet as pq
 
 from pipelines.dataset.manifest import RLDatasetManifest
 from pipelines.rewards import EpisodeRecord, load_fn
+from rollout.artifacts import MANIFEST, file_sha256
 
 VERL_SCHEMA_VERSION = 1
-MANIFEST_NAME = "verl_manifest.json"
+MANIFEST_NAME = MANIFEST
 
 VERL_SCHEMA = pa.schema([
     ("data_source", pa.string()),
@@ -103,7 +103,7 @@ def export_verl(dataset: RLDatasetManifest, cfg: VerlExportConfig) -> VerlExport
     for split, name in SPLIT_FILES.items():
         table = _split_rows(dataset, split, cfg, decode, truth_fn)
         pq.write_table(table, tmp / name)
-        rows[name], files[name] = table.num_rows, _sha256(tmp / name)
+        rows[name], files[name] = table.num_rows, file_sha256(tmp / name)
     m = VerlExportManifest(path=str(cfg.out_dir), parent=dataset.path, rows=rows, files=files,
                            data_source=cfg.data_source, created_at=datetime.now(timezone.utc).isoformat())
     (tmp / MANIFEST_NAME).write_text(json.dumps(asdict(m), indent=2, sort_keys=True))
@@ -138,6 +138,3 @@ def _split_rows(dataset: RLDatasetManifest, split: str, cfg: VerlExportConfig, d
         })
     return pa.Table.from_pylist(out, schema=VERL_SCHEMA)
 
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()

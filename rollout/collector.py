@@ -45,7 +45,7 @@ RETRY_STATUS = (429, 500, 502, 503, 504)
 
 @dataclass
 class CollectorConfig:
-    base_url: str  # e.g. "http://127.0.0.1:8000"
+    base_url: str | None = None  # e.g. "http://127.0.0.1:8000"; required to collect (the loop fills it in)
     model: str = "flywheel"
     group_size: int = 8  # G samples per problem
     temperature: float = 1.0
@@ -62,7 +62,8 @@ class CollectorConfig:
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # prefixes episode ids
 
     def __post_init__(self):
-        if not isinstance(self.base_url, str) or not self.base_url.startswith(("http://", "https://")):
+        if self.base_url is not None and (not isinstance(self.base_url, str)
+                                          or not self.base_url.startswith(("http://", "https://"))):
             raise ValueError(f"base_url must be an http(s) URL, got {self.base_url!r}")
         for name in ("group_size", "max_tokens", "max_turns", "concurrency"):
             v = getattr(self, name)
@@ -130,6 +131,8 @@ async def collect(problems: list[Problem], tokenizer, cfg: CollectorConfig,
     The HTTP client is aiohttp: measured against the server, 0.25 ms of client CPU per request
     versus httpx's 1.0 ms, and on a small machine the client shares cores with the engine.
     """
+    if cfg.base_url is None:
+        raise ValueError("CollectorConfig.base_url: no endpoint to collect from")
     own = session is None
     if own:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=cfg.concurrency),

@@ -142,3 +142,31 @@ def run_episodes(
 
 def success_rate(episodes: list[Episode]) -> float:
     return sum(e.reward for e in episodes) / max(1, len(episodes))
+
+
+def hf_generate(model, tokenizer):
+    """A `Generate` backend on a transformers model (the SFT bootstrap's evals)."""
+    import torch
+
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+
+    @torch.no_grad()
+    def generate(prompts: list[list[int]], temperature: float, max_tokens: int) -> list[Completion]:
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        sample = temperature > 0
+        out = model.generate(
+            input_ids=ids, attention_mask=attn, max_new_tokens=max_tokens, do_sample=sample,
+            temperature=temperature if sample else None, top_k=None, top_p=None,
+            eos_token_id=eos, pad_token_id=pad,
+        )[:, width:].tolist()
+        done = []
+        for row in out:
+            if eos in row:
+                done.append(Completion(row[: row.index(eos) + 1], finish_reason="stop"))
+            else:
+                done.append(Completion(row, finish_reason="length"))
+        return done
+
+    return generate

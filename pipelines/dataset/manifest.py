@@ -1,7 +1,7 @@
 """The RL dataset's config, its Parquet schema and its manifest (the typed artifact it hands on).
 
 A dataset directory holds `train/part-*.parquet`, `heldout/part-*.parquet` (episodes set aside
-for the KL gate, never trained on) and `manifest.json` (`RLDatasetManifest`), which appears last
+for the KL gate, never trained on) and `flywheel_manifest.json` (`RLDatasetManifest`), which appears last
 and atomically: a directory without it is not a dataset.
 """
 
@@ -17,10 +17,11 @@ from typing import Literal
 import pyarrow as pa
 
 from pipelines.rewards import DEFAULT_REWARD_FN, FEEDBACK_MODES, FeedbackMode, load_fn
+from rollout.artifacts import MANIFEST
 from rollout.traces.schema import LOGPROBS_MODES
 
 DATASET_SCHEMA_VERSION = 1
-MANIFEST_NAME = "manifest.json"
+MANIFEST_NAME = MANIFEST
 
 # One row per episode. List columns are per token, all of one length n = len(input_ids).
 DATASET_SCHEMA = pa.schema([
@@ -150,7 +151,7 @@ def _tuple(v):
 
 
 def save_manifest(m: RLDatasetManifest, directory: Path) -> Path:
-    """Write `manifest.json` into `directory` atomically (temporary file, fsync, rename)."""
+    """Write `flywheel_manifest.json` into `directory` atomically (temporary file, fsync, rename)."""
     path = Path(directory) / MANIFEST_NAME
     tmp = path.with_suffix(".json.tmp")
     with open(tmp, "w") as f:

@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rollout.engine import EngineConfig
+from rollout.traces.schema import LOGPROBS_MODES
 
-LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+# the trace logs log-probabilities: vLLM's *_logits modes would fill completion_logprobs with logits
+SERVED_LOGPROBS_MODES = tuple(m for m in LOGPROBS_MODES if m.endswith("_logprobs"))
 
 
 @dataclass
@@ -101,8 +103,8 @@ class ServeConfig:
             raise ValueError(f"swap_mode must be drain or keep, got {self.swap_mode!r}")
         if self.trace_durability not in ("commit", "interval"):
             raise ValueError(f"trace_durability must be commit or interval, got {self.trace_durability!r}")
-        if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if self.logprobs_mode not in SERVED_LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {SERVED_LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.api_key_env is None and not _is_loopback(self.host):
             raise ValueError(f"api_key_env must name the environment variable holding the API key when host "
                              f"is not a loopback address (host {self.host!r} is reachable by others)")

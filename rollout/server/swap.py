@@ -37,15 +37,13 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from loop.files import file_sha256
+from rollout.artifacts import file_sha256, manifest_files
 from rollout import cpu_placement
 from rollout.capabilities import detect, serving_format
 from rollout.server.engine import TracingEngine, WeightState
 from rollout.server.tracing import quant_format, stack_fingerprint
 
 log = logging.getLogger("flywheel.server")
-MANIFEST = "flywheel_manifest.json"  # the bootstrap's: files_sha256 {name: sha256}
-QUANT_MANIFEST = "quant_manifest.json"  # pipelines.quantize's: files {relative path: sha256}
 SHAPE_KEYS = ("architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -73,10 +71,7 @@ def check_folder(new: str | Path, current: str | Path, same_quant: bool = True) 
         raise SwapError(400, f"{new}: not a Hugging Face folder (no config.json)")
     if not list(new.glob("*.safetensors")):
         raise SwapError(400, f"{new}: no *.safetensors weights")
-    recorded = {}
-    for manifest, key in ((new / MANIFEST, "files_sha256"), (new / QUANT_MANIFEST, "files")):
-        if manifest.is_file():
-            recorded.update(json.loads(manifest.read_text()).get(key) or {})
+    recorded = manifest_files(new)
     for name, digest in recorded.items():
         if not (new / name).is_file():
             raise SwapError(400, f"{new}: manifest lists {name}, which is missing")

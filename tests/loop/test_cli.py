@@ -26,7 +26,7 @@ def test_loop_run_bootstraps_collects_and_builds_the_dataset(tiny_base, tiny_cfg
     out = subprocess.run(
         [sys.executable, "-m", "loop.cli", "run", "conf/tiny.yaml", f"bootstrap.cache_dir={cache}",
          f"run_dir={run_dir}", f"serve.trace_root={tmp_path / 'data'}", "collect.num_problems=3",
-         "collect.group_size=4", "collect.max_tokens=32", "dataset.heldout_fraction=0.34"],
+         "collect.rollout.group_size=4", "collect.rollout.max_tokens=32", "dataset.heldout_fraction=0.34"],
         capture_output=True, text=True, timeout=900,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from rollout.episode import Completion, prompt_ids, run_episodes, tool_result_ids
+from rollout.episode import Completion, hf_generate, prompt_ids, run_episodes, tool_result_ids
 from rollout.task import TOOLS, demonstration, make_problems
-from trainers.bootstrap.sft import encode_demo, hf_generate
+from trainers.bootstrap.sft import encode_demo
 from trainers.bootstrap.tokenizer import TOOL_TOKENS
 
 
@@ -25,7 +25,7 @@ def test_tokenizer_invariants(tiny_tokenizer):
 def test_sft_mask_covers_exactly_the_assistant_turns(tiny_tokenizer):
     tok = tiny_tokenizer
     demo = demonstration(make_problems("train", 1)[0])
-    ids, mask = encode_demo(tok, demo)
+    ids, mask = encode_demo(tok, demo, TOOLS)
     spans, cur = [], []
     for i, m in enumerate(mask):
         if m:

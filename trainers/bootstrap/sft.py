@@ -3,8 +3,8 @@
 The loss covers only the assistant's tokens (tool calls, answers and their `<|im_end|>`); system,
 user and tool-result tokens are context. SFT stops early once success on a slice of the eval split,
 sampled at `eval_temperature` (by default 1.0, the temperature RL samples at), reaches
-`target_success`: success climbs steeply (see shared/notes/rl-probe.md; here greedy success went
-9% -> 52% -> 94% within 15 steps), and a base model that already solves everything leaves RL
+`target_success`: success climbs steeply (greedy success went 9% -> 52% -> 94% within 15 steps
+on the default model), and a base model that already solves everything leaves RL
 nothing to learn. GRPO needs groups with mixed rewards, so the sampled success is what counts.
 """
 
@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from rollout.episode import Completion, run_episodes, success_rate
-from rollout.task import TOOLS, Problem, demonstration
+from typing import Callable
 
 
 @dataclass
@@ -58,14 +57,14 @@ class SFTResult:
     history: list[dict]
 
 
-def encode_demo(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+def encode_demo(tokenizer, messages: list[dict], tools: list[dict]) -> tuple[list[int], list[int]]:
     """Token ids of a rendered episode and a 0/1 mask of the assistant's tokens.
 
     The template is prefix-consistent: rendering messages[:k] with a generation prompt is a token
     prefix of rendering messages[:k+1], so each assistant turn is the difference of two renders.
     """
     def render(msgs, gen):
-        out = tokenizer.apply_chat_template(msgs, tools=TOOLS, add_generation_prompt=gen, tokenize=True)
+        out = tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=gen, tokenize=True)
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
     ids = render(messages, False)
@@ -82,39 +81,15 @@ def encode_demo(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
-def hf_generate(model, tokenizer):
-    """A `Generate` backend on a transformers model (used for evals during SFT)."""
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-
-    @torch.no_grad()
-    def generate(prompts: list[list[int]], temperature: float, max_tokens: int) -> list[Completion]:
-        width = max(map(len, prompts))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        sample = temperature > 0
-        out = model.generate(
-            input_ids=ids, attention_mask=attn, max_new_tokens=max_tokens, do_sample=sample,
-            temperature=temperature if sample else None, top_k=None, top_p=None,
-            eos_token_id=eos, pad_token_id=pad,
-        )[:, width:].tolist()
-        done = []
-        for row in out:
-            if eos in row:
-                done.append(Completion(row[: row.index(eos) + 1], finish_reason="stop"))
-            else:
-                done.append(Completion(row, finish_reason="length"))
-        return done
-
-    return generate
-
-
-def sft(model, tokenizer, cfg: SFTConfig, eval_problems: list[Problem], train_problems: list[Problem],
-        log=lambda step, metrics: None) -> SFTResult:
+def sft(model, tokenizer, cfg: SFTConfig, demonstrations: list[list[dict]], tools: list[dict],
+        evaluate: Callable[[object], float], log=lambda step, metrics: None) -> SFTResult:
+    """Train on `demonstrations` (OpenAI-format chats using `tools`); every `eval_every` steps
+    from `min_steps` on, `evaluate(model)` (the task's success at `eval_temperature`, which the
+    caller composes: trainers/ knows no task) decides whether to stop."""
     torch.manual_seed(cfg.seed)
-    encoded = [encode_demo(tokenizer, demonstration(p)) for p in train_problems]
+    encoded = [encode_demo(tokenizer, d, tools) for d in demonstrations]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps))
-    gen = hf_generate(model, tokenizer)
     rng = torch.Generator().manual_seed(cfg.seed)
     history, t0, loss_val, success = [], time.perf_counter(), math.nan, 0.0
     bar = tqdm(range(1, cfg.max_steps + 1), desc="SFT", unit="step")
@@ -136,7 +111,7 @@ def sft(model, tokenizer, cfg: SFTConfig, eval_problems: list[Problem], train_pr
         metrics = {"sft/loss": loss_val}
         if step >= cfg.min_steps and step % cfg.eval_every == 0:
             model.eval()
-            success = success_rate(run_episodes(eval_problems, tokenizer, gen, temperature=cfg.eval_temperature))
+            success = evaluate(model)
             metrics["sft/eval_success"] = success
         history.append({"step": step, **metrics})
         log(step, metrics)

@@ -14,7 +14,7 @@ def test_collect_through_an_existing_endpoint_then_build(srv_main, tiny_base, tm
 
     cfg = load_config("conf/tiny.yaml", [
         f"run_dir={tmp_path / 'run'}", f"serve.trace_root={srv_main.trace_root}", f"serve.admin_token={ADMIN_TOKEN}",
-        f"collect.endpoint={srv_main.url}", "collect.num_problems=2", "collect.group_size=3", "collect.max_tokens=32",
+        f"collect.endpoint={srv_main.url}", "collect.num_problems=2", "collect.rollout.group_size=3", "collect.rollout.max_tokens=32",
         "dataset.heldout_fraction=0"])
     collected = collect_phase(cfg, tiny_base.path, tmp_path / "run")
     assert (collected.episodes, collected.episodes_ok, collected.endpoint) == (6, 6, srv_main.url)

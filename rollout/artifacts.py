@@ -1,0 +1,36 @@
+"""What every artifact folder is checked by: one manifest file name and one file hash.
+
+A base model, a quantized checkpoint, an RL dataset and its verl export each hold
+`flywheel_manifest.json` (their own typed manifest, with each file's sha256), written last and
+atomically. A stage that derives a folder from another writes its own manifest and never copies
+the parent's. The serving side checks a folder against it before a hot-swap; the loop and the
+pipelines write them. (Here, not in loop/: rollout/, pipelines/ and trainers/ import nothing of
+the loop.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+MANIFEST = "flywheel_manifest.json"
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file, read in 1 MiB blocks (checkpoints can be larger than memory wants)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def manifest_files(folder: str | Path) -> dict[str, str]:
+    """{relative path: sha256} that the folder's manifest records ({} without a manifest): the
+    base model's `files_sha256`, or the `files` of the other kinds."""
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        return {}
+    m = json.loads(path.read_text())
+    return dict(m.get("files_sha256") or m.get("files") or {})
