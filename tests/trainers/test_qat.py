@@ -98,8 +98,22 @@ def test_convert_is_the_trained_function(spec, tmp_path):
     for name, layer in layers.items():  # atol=0, rtol=0
         assert torch.equal(layer.dequantized_weight(torch.float32).view(torch.int32),
                            fq_weights[name].view(torch.int32)), name
+    # Layer by layer, on the very inputs the trained model saw: the same function up to float32
+    # rounding (the int8 GEMM sums exactly; the fake-quant one in float32).
+    inputs = {}
+    hooks = [m.register_forward_hook(lambda mod, args, out, n=n: inputs.__setitem__(n, (args[0], out)))
+             for n, m in model.named_modules() if isinstance(m, FakeQuantLinear)]
     with torch.no_grad():
-        torch.testing.assert_close(converted(ids).logits, fq_logits, rtol=1e-4, atol=1e-4)
+        model(ids)
+        for h in hooks:
+            h.remove()
+        for name, (x, want) in inputs.items():
+            torch.testing.assert_close(layers[name](x), want, rtol=1e-5, atol=1e-5, msg=name)
+        # End to end those roundings can move a next layer's activation across an int8 rounding
+        # boundary (the float GEMM's summation order is the CPU's): rare, one step each.
+        got = converted(ids).logits
+        far = ((got - fq_logits).abs() > 1e-4 + 1e-4 * fq_logits.abs()).float().mean()
+        assert far < 0.05 and (got - fq_logits).abs().max() < 0.2, (far, (got - fq_logits).abs().max())
 
     # convert == requantizing the latent checkpoint, tensor for tensor.
     save_quantized(converted, tmp_path / "from_convert", spec)
