@@ -175,7 +175,7 @@ def serve(cfg: ServeConfig, engine_cfg: EngineConfig, model: str) -> None:
     logging.getLogger("flywheel").setLevel(logging.INFO)
     logging.getLogger("flywheel").propagate = False
     log.info("vLLM %s: serving %s as %s in %s", caps.describe(), model, fmt, engine_cfg.dtype)
-    # The hot-swap sends a function (swap.refresh_tied_head) to the workers over collective_rpc,
+    # The hot-swap sends a function (reload.refresh_tied_head) to the workers over collective_rpc,
     # which vLLM pickles only with this set. The RPC channel is local to the engine's processes.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     import uvloop
