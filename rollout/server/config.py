@@ -64,7 +64,7 @@ class ServeConfig:
     # Hot-swap: "drain" waits for in-flight requests (a response never spans two versions; new
     # requests wait up to drain_timeout_s, then the swap is refused); "keep" freezes them in the
     # engine, reloads, and resumes them on the new weights (their later tokens are the new
-    # version's, recorded per token; new requests wait only for the reload and the canary).
+    # version's, recorded per token; new requests wait in the engine for the reload only).
     swap_mode: Literal["drain", "keep"] = "drain"
     drain_timeout_s: float = 5.0  # drain mode: the longest new requests wait for in-flight ones
     canary_tolerance: float | None = None  # hot-swap: max mean |Δ logprob| of the canary vs the

@@ -13,7 +13,8 @@ Invariants:
 - Mode "keep": in-flight requests are frozen in the engine (vLLM's `pause_generation("keep")`),
   the weights reload, the engine's weight-version label moves on, and they resume on the new
   weights; vLLM reports each request's per-token version spans, which the trace keeps. New
-  calls wait for load + canary only. A failed canary pauses again and restores.
+  calls wait in the engine for the reload only; the canary runs after the resume, and a failed
+  one pauses again and restores.
 - The canary is teacher-forced (prompt logprobs of a fixed token sequence): a mean |Δ logprob|
   above `tolerance` against the reference restores the previous folder (and checks it again).
 - A draft model given with the target (`draft_path`) is reloaded in the same pause, by the same
@@ -228,25 +229,29 @@ class HotSwapper:
 
     async def _swap_keep(self, path: str, sha: str, draft_path: str | None, expected: list[float],
                          old_expected: list[float], clear_cache: bool) -> SwapResult:
-        """Freeze in-flight requests in the engine (vLLM's pause "keep"), reload, relabel, resume:
-        they go on with the new weights, their later tokens labelled with the new version (vLLM's
-        per-token weight-version spans, kept in the trace). New requests wait at the gate for the
-        reload and the canary only. With `clear_cache` (the default) the pause preempts the
-        running requests and resumes them by recomputing their KV with the new weights; without,
-        they attend to KV the old weights computed, and the prefix cache keeps old blocks until
-        it can be reset (vLLM refuses while requests hold them): the result says whether it was."""
+        """Freeze the engine (vLLM's pause "keep": running requests stay, new ones queue in it),
+        reload, relabel, resume: the in-flight requests go on with the new weights, their later
+        tokens labelled with the new version (vLLM's per-token weight-version spans, kept in the
+        trace). Nothing waits at the gate: a request arriving meanwhile waits in the engine for
+        the pause only (`pause_s`: pause + reload + resume), and is admitted as the new version.
+        The canary runs after the resume; if it fails, a second pause restores the old weights
+        (tokens sampled in between keep the rejected version's label). With `clear_cache` (the
+        default) the pause preempts the running requests and resumes them by recomputing their
+        KV with the new weights; without, they attend to KV the old weights computed, and the
+        prefix cache keeps old blocks until it can be reset (vLLM refuses while requests hold
+        them; logged)."""
         eng, old, inner = self.engine, self.engine.weights, self.engine.inner
-        new_version = old.version + 1
-        t0 = time.perf_counter()
-        eng.gate.hold()
+        new = WeightState(old.version + 1, path, sha, draft_path or old.draft_path, stack=old.stack)
         kept = eng.gate.in_flight
+        t0 = time.perf_counter()
         try:
             await inner.pause_generation(mode="keep", clear_cache=clear_cache)
             t1 = time.perf_counter()
             await reload_in_place(inner, path, draft_path, reset_cache=False)
-            await inner.update_weight_version(str(new_version))
+            await inner.update_weight_version(str(new.version))
+            eng.weights = new
             await inner.resume_generation()
-            load_s = time.perf_counter() - t1
+            pause_s, load_s = time.perf_counter() - t0, time.perf_counter() - t1
             if not clear_cache and not await inner.reset_prefix_cache():
                 log.warning("keep swap without clear_cache: the prefix cache holds blocks of the old weights")
             t2 = time.perf_counter()
@@ -254,11 +259,10 @@ class HotSwapper:
             canary_s = time.perf_counter() - t2
             if not err <= self.tolerance(path):
                 raise RuntimeError(f"canary mean |Δ logprob| {err:.4f} > tolerance {self.tolerance(path)}")
-            eng.weights = WeightState(new_version, path, sha, draft_path or old.draft_path, stack=old.stack)
-            return SwapResult(new_version, sha, path, time.perf_counter() - t0, 0.0, load_s, canary_s, err,
+            return SwapResult(new.version, sha, path, pause_s, 0.0, load_s, canary_s, err,
                               mode="keep", kept_in_flight=kept)
         except Exception as e:
-            try:  # the rejected weights served in-flight tokens for the canary's few ms: labelled so
+            try:
                 await inner.pause_generation(mode="keep", clear_cache=True)
                 await inner.update_weight_version(str(old.version))
                 restored = await self._restore(old, old_expected, draft_changed=draft_path is not None, resume=True)
@@ -266,8 +270,6 @@ class HotSwapper:
                 log.error("restoring after a keep swap failed: %s: %s", type(e2).__name__, e2)
                 restored = False
             self._rolled_back(path, old, e, restored)
-        finally:
-            eng.gate.open()
 
     async def _switch_engine(self, path: str, sha: str, expected: list[float]) -> SwapResult:
         """Start a second engine on `path`, canary it while the old one serves, then switch the
