@@ -11,9 +11,9 @@ For the generation routes (`/v1/chat/completions`, `/v1/completions`) it
   message, and writes the trace row. In "commit" durability what completes a response for its
   client (a JSON response's status line and body; a stream's `data: [DONE]`) is held until the
   row is fsynced, so a client that saw a complete response has a durable trace, and a row that
-  cannot be committed turns the answer into a 503 (or a final SSE error event); while the writer
-  is failed, commit mode answers generation requests 503 up front, and /health says why. In "interval"
-  durability nothing waits.
+  cannot be committed turns the answer into a 503 (or a final SSE error event); while the
+  writer is failed, commit mode answers generation requests 503 up front, and /health says why.
+  In "interval" durability nothing waits.
 Requests that fail (4xx/5xx, 429 included) or are aborted by the client are traced too, with
 their status; only a body refused for its size (413) is not (it is never read whole).
 """
@@ -171,13 +171,13 @@ class FlywheelMiddleware:
                 if complete and not finished[0]:
                     finished[0] = True
                     if (error := await record(final=True)) is not None:
-                        return await _refuse_uncommitted(error, message)
+                        return await _refuse_uncommitted(error)
             if held_start[0] is not None:
                 start, held_start[0] = held_start[0], None
                 await send(start)
             await send(message)
 
-        async def _refuse_uncommitted(error: Exception, message) -> None:
+        async def _refuse_uncommitted(error: Exception) -> None:
             """The trace could not be made durable: the client must not take the answer as served."""
             refused[0] = True
             text = f"the response was generated but its trace could not be made durable ({error})"
