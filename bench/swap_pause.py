@@ -1,5 +1,6 @@
 """How long a hot-swap makes new requests wait, side by side with the same load without a swap,
-for each swap mode ("drain": wait for in-flight requests; "keep": freeze them in the engine).
+for each swap mode ("drain": wait for in-flight requests; "keep": freeze them in the engine and
+recompute their KV with the new weights; "keep_stale_kv": freeze them and keep their old KV).
 
     python bench/swap_pause.py [--model DIR] [--concurrency 16] [--swaps 4]
 
@@ -28,7 +29,11 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "rollout" / "server"))
 
 
-async def pause_under_load(url: str, token: str, path: str, mode: str, concurrency: int = 16,
+MODES = {"drain": {"mode": "drain"}, "keep": {"mode": "keep"},
+         "keep_stale_kv": {"mode": "keep", "clear_cache": False}}  # the in-flight KV of the old weights stays
+
+
+async def pause_under_load(url: str, token: str, path: str | None, mode: str, concurrency: int = 16,
                            settle_s: float = 2.0) -> dict:
     stop, probes = asyncio.Event(), []  # (start, end)
     failures = []
@@ -54,8 +59,12 @@ async def pause_under_load(url: str, token: str, path: str, mode: str, concurren
 
         tasks = [asyncio.create_task(stream_worker(i)) for i in range(concurrency)] + [asyncio.create_task(probe())]
         await asyncio.sleep(settle_s)
+        if path is None:  # a warm-up: the first requests after a start are slow
+            stop.set()
+            await asyncio.gather(*tasks)
+            return {}
         t0 = time.perf_counter()
-        r = await client.post(url + "/admin/weights", json={"path": path, "mode": mode},
+        r = await client.post(url + "/admin/weights", json={"path": path, **MODES[mode]},
                               headers={"authorization": f"Bearer {token}"}, timeout=300)
         t1 = time.perf_counter()
         await asyncio.sleep(0.5)
@@ -74,10 +83,11 @@ async def pause_under_load(url: str, token: str, path: str, mode: str, concurren
 
 
 def measure(url: str, token: str, paths: list[str], concurrency: int, swaps: int) -> dict:
-    """Alternate the modes swap by swap (drift hits both alike); `paths` alternate too."""
-    out: dict = {"drain": [], "keep": []}
-    for i in range(2 * swaps):
-        mode = ("drain", "keep")[i % 2]
+    """Alternate the modes swap by swap (drift hits all alike); `paths` alternate too."""
+    out: dict = {mode: [] for mode in MODES}
+    asyncio.run(pause_under_load(url, token, None, "", concurrency, settle_s=5.0))
+    for i in range(len(MODES) * swaps):
+        mode = list(MODES)[i % len(MODES)]
         out[mode].append(asyncio.run(pause_under_load(url, token, paths[i % len(paths)], mode, concurrency)))
     return {mode: {"ratio_median": statistics.median(x["ratio"] for x in runs),
                    "swap_max_probe_s_median": statistics.median(x["swap_max_probe_s"] for x in runs),
