@@ -153,23 +153,24 @@ def test_keep_swap_resumes_in_flight_streams_on_the_new_weights(srv_main, tiny_b
     new = perturbed_copy(tiny_base.path, tmp_path_factory.mktemp("keep") / "fp2")
     before = _greedy(srv_main.url, tiny_tokenizer)
     v0 = srv_main.admin("GET", "/admin/status").json()["weight_version"]
-    with StreamingLoad(srv_main.url, n=6, max_tokens=96) as load:
+    with StreamingLoad(srv_main.url, n=6, max_tokens=256) as load:  # long streams: some are mid-way
         time.sleep(2)
         r = srv_main.admin("POST", "/admin/weights", json={"path": str(new), "mode": "keep"})
         time.sleep(2)
     assert r.status_code == 200, r.text
     swap = r.json()
     assert swap["mode"] == "keep" and swap["weight_version"] == v0 + 1 and swap["drain_s"] == 0
-    assert swap["kept_in_flight"] > 0 and swap["canary_mean_abs_dlogprob"] < 1e-3
+    assert swap["canary_mean_abs_dlogprob"] < 1e-3
     failed = [x for x in load.results if x[0] != 200 or not x[3] or any("error" in e for e in sse_events(x[4]))]
     assert not failed, failed[:3]
     rows = {x["trace_id"]: x for x in srv_main.traces()}
-    spanning = [rows[t] for _, t, _, _, _ in load.results if rows[t]["completion_weight_versions"]]
-    assert spanning, "no in-flight stream was resumed across the swap"
-    for row in spanning:  # admitted under v0, finished under v0 + 1: a prefix of each version
+    relabelled = [rows[t] for _, t, _, _, _ in load.results if rows[t]["completion_weight_versions"]]
+    for row in relabelled:  # admitted under v0, sampled (from some token on) by v0 + 1
         versions = row["completion_weight_versions"]
         assert row["weight_version"] == v0 and len(versions) == len(row["completion_token_ids"])
-        assert versions == sorted(versions) and set(versions) == {v0, v0 + 1}, versions
+        assert versions == sorted(versions) and set(versions) <= {v0, v0 + 1} and versions[-1] == v0 + 1
+    # streams that were generating when the engine paused: resumed, not drained
+    assert any(set(r["completion_weight_versions"]) == {v0, v0 + 1} for r in relabelled), len(relabelled)
     assert _greedy(srv_main.url, tiny_tokenizer) != before
 
     back = srv_main.admin("POST", "/admin/weights", json={"path": tiny_base.path, "mode": "keep"})
