@@ -26,7 +26,10 @@ def test_loop_run_bootstraps_collects_and_builds_the_dataset(tiny_base, tiny_cfg
     out = subprocess.run(
         [sys.executable, "-m", "loop.cli", "run", "conf/tiny.yaml", f"bootstrap.cache_dir={cache}",
          f"run_dir={run_dir}", f"serve.trace_root={tmp_path / 'data'}", "collect.num_problems=3",
-         "collect.rollout.group_size=4", "collect.rollout.max_tokens=32", "dataset.heldout_fraction=0.34"],
+         "collect.rollout.group_size=4", "collect.rollout.max_tokens=32",
+         # groups hash their collection round (a fresh run id): split 12 episodes, not 3 groups, so
+         # both sides are non-empty but for a 2 x 0.5^12 chance
+         "dataset.heldout_unit=episode", "dataset.heldout_fraction=0.5"],
         capture_output=True, text=True, timeout=900,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
