@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import time
 from collections import Counter, defaultdict
@@ -132,17 +133,25 @@ def heldout_mask(keys: list[str], fraction: float, seed: int) -> list[bool]:
             for k in keys]
 
 
+_ROUND = re.compile(r"(.+)-\d+")  # `<round>-<sample>`, whole id
+
+
 def group_id(first_prompt: bytes, weight_version: int, episode_id: str) -> str:
     """The GRPO group of an episode: episodes that answered the same turn-0 prompt (int32 bytes),
-    sampled by the same weight version, in the same collection round. The round is the episode
-    id up to its last "-": the collector names episodes `<run>-<problem>-<sample>`, so one
-    round's G samples of a problem share it and a later round's do not (other clients' ids
-    group by what precedes their last "-", or by prompt and version alone). A group that mixed
-    rounds or versions would compare rewards of different policies as if they were one."""
-    round_key = episode_id.rsplit("-", 1)[0] if "-" in episode_id else ""
+    sampled by the same weight version, in the same collection round. A group that mixed rounds
+    or versions would compare rewards of different policies as if they were one.
+
+    The round is the episode id less its sample number: the collector names episodes
+    `<run>-<problem>-<sample>` (rollout/collector.py, a fresh run id per collection), so one
+    round's G samples of a problem share `<run>-<problem>` and a later round's do not. Traces
+    carry no other round key: dates and hours cut rounds that straddle them, and the weight
+    version alone merges rounds served by one version. An id that does not end in `-<digits>`
+    (another client's, e.g. a uuid) names one episode, not a round: it adds nothing, and such
+    episodes group by prompt and version (a round key there would make every group a singleton)."""
+    round_key = _ROUND.fullmatch(episode_id)
     h = hashlib.blake2b(first_prompt, digest_size=8)
     h.update(int(weight_version).to_bytes(8, "little", signed=True))
-    h.update(round_key.encode())
+    h.update(round_key[1].encode() if round_key else b"")
     return h.hexdigest()
 
 

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipelines.rewards import EpisodeRecord, task_reward
-from pipelines.traces_to_dataset import DatasetConfig, build_dataset, load_manifest
+from pipelines.traces_to_dataset import DatasetConfig, build_dataset, group_id, load_manifest
 from rollout.episode import prompt_ids
 from rollout.traces import Feedback, Trace
 
@@ -180,6 +180,17 @@ def test_groups_are_one_round_of_one_version(ds_episodes, ds_traces, ds_write, d
             if eid.startswith(run + "-"):
                 by_problem.setdefault(eid.rsplit("-", 1)[0], set()).add(row["group_id"])
         assert len(by_problem) == GROUPS and all(len(g) == 1 for g in by_problem.values())
+
+
+def test_group_id_is_one_prompt_one_version_one_round():
+    """The round is the id less its sample number; ids with none (a client's uuids) are no round:
+    they group by prompt and version rather than each alone."""
+    p, q = np.array([5, 6, 7], np.int32).tobytes(), np.array([5, 6, 8], np.int32).tobytes()
+    assert group_id(p, 0, "r1-train-7-0-0") == group_id(p, 0, "r1-train-7-0-3")  # samples of a round
+    assert group_id(p, 0, "r1-train-7-0-0") != group_id(p, 0, "r2-train-7-0-0")  # a later round
+    assert group_id(p, 0, "r1-train-7-0-0") != group_id(p, 1, "r1-train-7-0-1")  # a swap mid-round
+    assert group_id(p, 0, "r1-train-7-0-0") != group_id(q, 0, "r1-train-7-0-0")
+    assert group_id(p, 2, "9b2e4c1a-5d3f-4e7b-8a6c-4f1ac2e9b0d1") == group_id(p, 2, "0c7d1e2f-3a4b-4c5d-9e6f-a3b4c5d6e7f8")
 
 
 def test_only_the_windows_feedback_is_read(ds_episodes, ds_traces, ds_write, ds_tokenizer_path, tmp_path,
