@@ -13,8 +13,10 @@ partition columns are also stored in every file with the same values. The copy i
 what `datasets` reads (its Parquet loader ignores hive directories); Polars reads the file's
 copy and DuckDB the directory's, which agree. The file stores `weight_version` as int32, the
 type pyarrow's hive inference gives the directory value, so a plain
-`ds.dataset(path, format="parquet", partitioning="hive")` merges the two (rollout/traces/parts.py);
-`read_traces` reads with this schema, int64.
+`ds.dataset(path, format="parquet", partitioning="hive")` merges the two (rollout/traces/parts.py;
+`date` is a string in both). `read_traces` reads with this schema, int64, which also reads parts that
+store int64 (written by earlier versions); a plain pyarrow read of a store still holding such
+parts needs `schema=TRACE_SCHEMA` (DuckDB, Polars and `datasets` read them either way).
 
 Every field is nullable in Arrow; the dataclasses below check what must be present.
 """

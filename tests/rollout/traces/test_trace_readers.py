@@ -1,11 +1,13 @@
 """pyarrow, datasets, DuckDB and Polars read the same rows, partition columns included."""
 
 import asyncio
-from datetime import date, timezone
+from datetime import date, datetime, timezone
 
 import duckdb
 import polars as pl
+import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 import pytest
 
 from rollout.traces import TRACE_SCHEMA, Feedback, FeedbackStore, TraceConfig, TraceWriter, read_feedback, read_traces
@@ -47,10 +49,34 @@ def test_pyarrow_plain_hive_read(tr_store, tmp_path):
     root, expected = tr_store
     table = ds.dataset(root / "traces", format="parquet", partitioning="hive").to_table()
     assert table.num_rows == len(expected) and table.schema.names.count("weight_version") == 1
-    assert sorted(table["weight_version"].to_pylist()) == sorted(r["weight_version"] for r in expected)
+    assert table.schema.field("date").type == pa.string() and table.schema.names.count("date") == 1
+    by_id = {r["trace_id"]: (r["date"], r["weight_version"]) for r in table.to_pylist()}
+    assert by_id == {r["trace_id"]: (r["date"], r["weight_version"]) for r in expected}
     with FeedbackStore(tmp_path) as store:
-        store.append_sync(Feedback(trace_id="t1", reward=1.0))
-    assert ds.dataset(tmp_path / "feedback", format="parquet", partitioning="hive").to_table().num_rows == 1
+        store.append_sync(Feedback(trace_id="t1", reward=1.0, created_at=datetime(2026, 3, 2, 1, tzinfo=timezone.utc)))
+    fb = ds.dataset(tmp_path / "feedback", format="parquet", partitioning="hive").to_table()
+    assert fb.select(["trace_id", "date"]).to_pylist() == [{"trace_id": "t1", "date": "2026-03-02"}]
+
+
+def test_parts_written_with_int64_partition_columns_still_read(tr_make_trace, tmp_path):
+    """Parts from before the files stored weight_version as int32 sit beside newer ones:
+    read_traces (its schema), DuckDB and Polars read both."""
+    traces = [tr_make_trace(i, weight_version=4) for i in range(3)]
+    with TraceWriter(TraceConfig(root=tmp_path)) as writer:
+        for t in traces[:2]:
+            writer.append_sync(t)
+    old = pa.Table.from_pylist([traces[2].to_row()], schema=TRACE_SCHEMA)  # int64, as written before
+    assert old.schema.field("weight_version").type == pa.int64()
+    part = tmp_path / "traces" / f"date={old['date'][0]}" / "weight_version=4" / "part-old.parquet"
+    pq.write_table(old, part)
+    expected = _rows(t.to_row() for t in traces)
+    table = read_traces(tmp_path)
+    assert table.schema.field("weight_version").type == pa.int64() and _rows(table.to_pylist()) == expected
+    con = duckdb.connect()
+    con.execute("SET TimeZone = 'UTC'")
+    assert _rows(con.sql(f"select * from read_parquet('{tmp_path}/traces/**/*.parquet', hive_partitioning=true)")
+                 .to_arrow_table().to_pylist()) == expected
+    assert _rows(pl.scan_parquet(f"{tmp_path}/traces/**/*.parquet", hive_partitioning=True).collect().to_dicts()) == expected
 
 
 def test_datasets_load_dataset(tr_store, tmp_path):
