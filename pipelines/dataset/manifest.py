@@ -26,7 +26,7 @@ MANIFEST_NAME = MANIFEST
 # One row per episode. List columns are per token, all of one length n = len(input_ids).
 DATASET_SCHEMA = pa.schema([
     ("episode_id", pa.string()),
-    ("group_id", pa.string()),  # hash of turn 0's prompt ids: same prompt, same GRPO group
+    ("group_id", pa.string()),  # GRPO group: same turn-0 prompt, weight version and round (traces_to_dataset.group_id)
     ("trace_ids", pa.list_(pa.string())),  # one per turn, in turn order
     ("num_turns", pa.int32()),
     ("prompt_len", pa.int32()),  # turn 0's prompt length: input_ids[:prompt_len] is the prompt
