@@ -109,6 +109,7 @@ def bootstrap(cfg: BootstrapConfig, task: TaskConfig, log=lambda step, metrics: 
         tok = train_tokenizer(texts, cfg.model.vocab_size)
         tokenizer = save_hf_tokenizer(tok, tmp, cfg.model.max_position_embeddings)
         model = build_model(cfg.model, tokenizer, seed=cfg.sft.seed)
+
         def evaluate(m) -> float:  # the task's sampled success: what SFT stops on
             return success_rate(run_episodes(evals, tokenizer, hf_generate(m, tokenizer),
                                              temperature=cfg.sft.eval_temperature))

@@ -32,7 +32,8 @@ def _collector_defaults() -> CollectorConfig:
 @dataclass
 class CollectConfig:
     """What to collect; `rollout` is the collector's own config (rollout.collector.CollectorConfig,
-    checked by itself), its base_url filled in by the phase."""
+    checked by itself). Its base_url and run_id are the phase's: the endpoint it collects from, and
+    a fresh run id per collection (values set in the config are replaced)."""
 
     endpoint: str | None = None  # a server already serving the policy into serve.trace_root; None: start one
     num_problems: int = 64  # problems of the task's train split

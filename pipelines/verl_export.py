@@ -32,7 +32,6 @@ from pipelines.rewards import EpisodeRecord, load_fn
 from rollout.artifacts import MANIFEST, file_sha256
 
 VERL_SCHEMA_VERSION = 1
-MANIFEST_NAME = MANIFEST
 
 VERL_SCHEMA = pa.schema([
     ("data_source", pa.string()),
@@ -106,7 +105,7 @@ def export_verl(dataset: RLDatasetManifest, cfg: VerlExportConfig) -> VerlExport
         rows[name], files[name] = table.num_rows, file_sha256(tmp / name)
     m = VerlExportManifest(path=str(cfg.out_dir), parent=dataset.path, rows=rows, files=files,
                            data_source=cfg.data_source, created_at=datetime.now(timezone.utc).isoformat())
-    (tmp / MANIFEST_NAME).write_text(json.dumps(asdict(m), indent=2, sort_keys=True))
+    (tmp / MANIFEST).write_text(json.dumps(asdict(m), indent=2, sort_keys=True))
     os.rename(tmp, cfg.out_dir)
     return m
 

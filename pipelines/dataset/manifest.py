@@ -21,7 +21,6 @@ from rollout.artifacts import MANIFEST
 from rollout.traces.schema import LOGPROBS_MODES
 
 DATASET_SCHEMA_VERSION = 1
-MANIFEST_NAME = MANIFEST
 
 # One row per episode. List columns are per token, all of one length n = len(input_ids).
 DATASET_SCHEMA = pa.schema([
@@ -152,7 +151,7 @@ def _tuple(v):
 
 def save_manifest(m: RLDatasetManifest, directory: Path) -> Path:
     """Write `flywheel_manifest.json` into `directory` atomically (temporary file, fsync, rename)."""
-    path = Path(directory) / MANIFEST_NAME
+    path = Path(directory) / MANIFEST
     tmp = path.with_suffix(".json.tmp")
     with open(tmp, "w") as f:
         json.dump(m.to_dict(), f, indent=2, sort_keys=True, allow_nan=False)
@@ -163,4 +162,4 @@ def save_manifest(m: RLDatasetManifest, directory: Path) -> Path:
 
 
 def load_manifest(directory: str | Path) -> RLDatasetManifest:
-    return RLDatasetManifest.from_dict(json.loads((Path(directory) / MANIFEST_NAME).read_text()))
+    return RLDatasetManifest.from_dict(json.loads((Path(directory) / MANIFEST).read_text()))

@@ -45,3 +45,16 @@ def test_typo_in_yaml_file_is_named(tmp_path):
 def test_missing_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="no such config file"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_collect_holds_the_collectors_own_config():
+    """One config per component: `collect.rollout` is rollout.collector.CollectorConfig, checked by
+    itself at load; the phase fills in the endpoint and a fresh run id (a round of its own)."""
+    from rollout.collector import CollectorConfig
+
+    cfg = load_config(CONF / "tiny.yaml", ["collect.rollout.group_size=3", "collect.rollout.temperature=0.7"])
+    assert isinstance(cfg.collect.rollout, CollectorConfig)
+    a, b = cfg.collect.collector("http://127.0.0.1:1"), cfg.collect.collector("http://127.0.0.1:1")
+    assert (a.group_size, a.temperature, a.base_url) == (3, 0.7, "http://127.0.0.1:1") and a.run_id != b.run_id
+    with pytest.raises(ConfigError, match=r"collect.rollout: group_size must be an int >= 1"):
+        load_config(CONF / "tiny.yaml", ["collect.rollout.group_size=0"])

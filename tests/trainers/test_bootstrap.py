@@ -40,6 +40,26 @@ def test_sft_mask_covers_exactly_the_assistant_turns(tiny_tokenizer):
     assert answer == demo[-1]["content"] + "<|im_end|>"
 
 
+def test_sft_takes_its_demonstrations_and_evaluate_from_the_caller(tiny_cfg, tiny_tokenizer):
+    """trainers/ knows no task: SFT trains on the chats it is given and stops when the caller's
+    `evaluate(model)` reaches target_success (evaluated every eval_every steps from min_steps)."""
+    from trainers.bootstrap.model import build_model
+    from trainers.bootstrap.sft import SFTConfig, sft
+
+    model = build_model(tiny_cfg.bootstrap.model, tiny_tokenizer, seed=0)
+    demos = [demonstration(p) for p in make_problems("train", 4)]
+    seen = []
+
+    def evaluate(m) -> float:
+        seen.append(m)
+        return 0.5 * len(seen)
+
+    cfg = SFTConfig(batch_size=2, warmup_steps=1, min_steps=2, eval_every=2, max_steps=20, target_success=1.0)
+    result = sft(model, tiny_tokenizer, cfg, demos, TOOLS, evaluate)
+    assert (result.steps, result.eval_success, len(seen)) == (4, 1.0, 2) and all(m is model for m in seen)
+    assert [h["step"] for h in result.history if "sft/eval_success" in h] == [2, 4]
+
+
 def test_episode_tokens_extend_exactly(tiny_tokenizer):
     """Turn 2's prompt (built token-in/token-out) equals the chat template's own rendering."""
     tok = tiny_tokenizer

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
-
-from typing import Callable
 
 
 @dataclass
