@@ -172,7 +172,7 @@ def main() -> None:
             swaps.append({**r.json(), "http_s": time.perf_counter() - t})
         results["swap"] = {k: statistics.median(s[k] for s in swaps)
                            for k in ("pause_s", "load_s", "drain_s", "canary_s", "http_s")}
-        from swap_pause import measure  # new requests' wait during a swap vs the same load, per mode
+        from swap_pause import measure, report_line  # new requests' wait during a swap vs the same load, per mode
 
         results["swap_under_load"] = {mode: {k: v for k, v in r.items() if k != "runs"} for mode, r in
                                       measure(ub, "bench", [str(new), str(a.model)], a.concurrency, 2).items()}
@@ -198,6 +198,8 @@ def main() -> None:
         stop(bare)
         stop(ours)
     print(json.dumps(results, indent=2))
+    for mode, m in results.get("swap_under_load", {}).items():
+        print(report_line(mode, m))
     shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -76,7 +76,7 @@ def resolve(cfg, model: str, caps: Capabilities | None = None) -> Served:
 
 def quantized_for_serving(model: str, fmt: str, group_size: int, dtype: str, cache_dir: str) -> str:
     from pipelines.quantize import MANIFEST_NAME, quantize_checkpoint
-    from rollout.server.swap import checkpoint_sha256
+    from pipelines.artifacts import checkpoint_sha256
 
     spec = serving_spec(fmt, group_size, "float16" if dtype == "float16" else "bfloat16")
     tag = f"{fmt}-g{group_size}-{spec.scale_dtype}" if fmt == "w4a16" else fmt

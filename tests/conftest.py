@@ -3,10 +3,16 @@ and one offline vLLM engine on it. Engines take ~20-60 s to start here: share th
 
 from __future__ import annotations
 
+import json
 import os
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+
+from rollout.episode import Episode
+from rollout.traces import (Feedback, FeedbackStore, SamplingInfo, StackFingerprint, Trace, TraceConfig,
+                            TraceWriter)
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -41,3 +47,71 @@ def tiny_llm(tiny_base, tiny_cfg):
     llm = make_llm(tiny_base.path, tiny_cfg.engine)
     yield llm
     del llm
+
+
+# Dataset fixtures (pipelines/, trainers/): real episodes of the tiny model (the shared `tiny_llm`
+# engine, token-in/token-out), turned into trace rows the way the server writes them (one per turn,
+# exact ids and behaviour logprobs, episode_id/turn), and written with the real writers.
+
+STACK = StackFingerprint(engine="vllm", engine_version="test", quant_format="none", kv_cache_dtype="auto",
+                         device="cpu", device_name="test", torch_version="test", flywheel_version="test")
+T0 = datetime(2026, 12, 2, 12, 0, tzinfo=timezone.utc)
+GROUPS, G = 2, 4  # ds_episodes: GROUPS problems x G samples
+
+
+def episode_traces(ep: Episode, episode_id: str, *, versions: list[int] | None = None,
+                   logprobs_mode: str = "processed_logprobs", t0: datetime = T0, temperature: float = 1.0
+                   ) -> list[Trace]:
+    """One `Trace` per turn of `ep`, as the server logs a token-in/token-out completion."""
+    out = []
+    for k, turn in enumerate(ep.turns):
+        c = turn.completion
+        out.append(Trace(
+            request_id=f"req-{episode_id}-{k}", model="flywheel", weight_version=(versions or [0] * 9)[k],
+            checkpoint_sha256="0" * 64, stack=STACK,
+            sampling=SamplingInfo(temperature=temperature, top_p=1.0, top_k=-1, max_tokens=48,
+                                  logprobs_mode=logprobs_mode),
+            messages=json.dumps(turn.prompt_ids), prompt_token_ids=list(turn.prompt_ids),
+            completion_token_ids=list(c.token_ids), completion_logprobs=list(c.logprobs),
+            output=json.dumps({"content": ""}), finish_reason=c.finish_reason, e2e_ms=1.0,
+            episode_id=episode_id, turn=k, created_at=t0 + timedelta(seconds=k),
+        ))
+    return out
+
+
+def write_traces(root: Path, traces: list[Trace], feedback: list[Feedback] = ()) -> None:
+    with TraceWriter(TraceConfig(root=root, durability="interval")) as w:
+        for t in traces:
+            w.append_sync(t)
+    with FeedbackStore(root) as store:
+        for f in feedback:
+            store.append_sync(f)
+
+
+@pytest.fixture(scope="session")
+def ds_traces():
+    """`episode_traces(ep, episode_id, versions=, logprobs_mode=, t0=) -> list[Trace]`."""
+    return episode_traces
+
+
+@pytest.fixture(scope="session")
+def ds_write():
+    """`write_traces(root, traces, feedback=())`: the real TraceWriter and FeedbackStore."""
+    return write_traces
+
+
+@pytest.fixture(scope="session")
+def ds_episodes(tiny_llm, tiny_tokenizer):
+    """GROUPS problems x G episodes each at temperature 1 (a GRPO batch), with their ids."""
+    from rollout.engine import vllm_generate
+    from rollout.episode import run_episodes
+    from rollout.task import make_problems
+
+    problems = [p for p in make_problems("train", GROUPS, seed=7) for _ in range(G)]
+    episodes = run_episodes(problems, tiny_tokenizer, vllm_generate(tiny_llm), temperature=1.0, max_tokens=48)
+    return [(f"ep-{i}", ep) for i, ep in enumerate(episodes)]
+
+
+@pytest.fixture(scope="session")
+def ds_tokenizer_path(tiny_base) -> str:
+    return str(tiny_base.path)

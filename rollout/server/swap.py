@@ -29,7 +29,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import time
@@ -37,7 +36,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollout.artifacts import file_sha256, manifest_files
+from pipelines.artifacts import checkpoint_sha256, file_sha256, manifest_files
 from rollout.capabilities import detect, serving_format
 from rollout.server.engine import TracingEngine, WeightState
 from rollout.server.reload import reference_logprobs, reload_in_place, retire_engine, start_engine
@@ -55,13 +54,6 @@ class SwapError(Exception):
     def __init__(self, status: int, message: str, restored: bool = False):
         super().__init__(message)
         self.status, self.message, self.restored = status, message, restored
-
-
-def checkpoint_sha256(folder: str | Path) -> str:
-    """One hash for the weights: sha256 over the sorted (name, sha256) of the safetensors files."""
-    folder = Path(folder)
-    files = sorted(folder.glob("*.safetensors"))
-    return hashlib.sha256("".join(f"{p.name}:{file_sha256(p)}\n" for p in files).encode()).hexdigest()
 
 
 def check_folder(new: str | Path, current: str | Path, same_quant: bool = True) -> str:

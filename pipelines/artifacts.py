@@ -4,8 +4,8 @@ A base model, a quantized checkpoint, an RL dataset and its verl export each hol
 `flywheel_manifest.json` (their own typed manifest, with each file's sha256), written last and
 atomically. A stage that derives a folder from another writes its own manifest and never copies
 the parent's. The serving side checks a folder against it before a hot-swap; the loop and the
-pipelines write them. (Here, not in loop/: rollout/, pipelines/ and trainers/ import nothing of
-the loop.)
+pipelines and the trainers write them. (Here, in the artifact stages' package: rollout/ and
+trainers/ import it, and nothing of each other or of the loop.)
 """
 
 from __future__ import annotations
@@ -24,6 +24,12 @@ def file_sha256(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def checkpoint_sha256(folder: str | Path) -> str:
+    """One hash for the weights: sha256 over the sorted (name, sha256) of the safetensors files."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    return hashlib.sha256("".join(f"{p.name}:{file_sha256(p)}\n" for p in files).encode()).hexdigest()
 
 
 def manifest_files(folder: str | Path) -> dict[str, str]:

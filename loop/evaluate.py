@@ -1,0 +1,83 @@
+"""Task success of a checkpoint *as served*: quantized in the serving format (as `loop serve`
+would: loop.serving.resolve), run on the vLLM engine, on the task's eval split.
+
+    loop eval CONFIG MODEL [--quant auto|w4a16|w8a8|none] [--temperature 1.0] [key=value ...]
+
+Each evaluation runs its engine in a child process (`served_success`), so one process can compare
+many checkpoints and formats without engines piling up in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+
+
+def evaluate_here(cfg, model: str, quant: str, temperatures: tuple[float, ...] = (1.0,)) -> dict:
+    """In this process: {"fmt", "path", "T=<t>": success, "seconds", "num_problems"}."""
+    from transformers import AutoTokenizer
+
+    from loop.serving import engine_for, resolve
+    from rollout.engine import make_llm, vllm_generate
+    from rollout.episode import run_episodes, success_rate
+    from rollout.task import make_problems
+
+    cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, quant=quant))
+    served = resolve(cfg, model)
+    problems = make_problems("eval", cfg.task.num_eval_problems, cfg.task.seed)
+    t0 = time.perf_counter()
+    llm = make_llm(served.path, engine_for(cfg, served))
+    out = {"model": str(model), "fmt": served.fmt, "served_path": served.path, "dtype": served.dtype,
+           "num_problems": len(problems), "kernel_build": served.caps.kernel_build}
+    tokenizer = AutoTokenizer.from_pretrained(served.path)
+    for t in temperatures:
+        out[f"T={t}"] = success_rate(run_episodes(problems, tokenizer, vllm_generate(llm),
+                                                  temperature=t))
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def served_success(config: str, model: str, quant: str, overrides: list[str] = (),
+                   temperatures: tuple[float, ...] = (1.0,)) -> dict:
+    """`evaluate_here` in a child process (its engine goes when it exits)."""
+    cmd = [sys.executable, "-m", "loop.evaluate", config, str(model), "--quant", quant,
+           "--temperature", *map(str, temperatures), "--json", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"evaluation of {model} ({quant}) failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from loop.config import load_config
+    from loop.configs import ConfigError
+
+    p = argparse.ArgumentParser(prog="loop eval", description=__doc__.splitlines()[0])
+    p.add_argument("config")
+    p.add_argument("model")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--quant", default="auto")
+    p.add_argument("--temperature", type=float, nargs="+", default=[1.0])
+    p.add_argument("--json", action="store_true", help="print only the result as one JSON line")
+    a = p.parse_args(argv)
+    try:
+        cfg = load_config(a.config, a.overrides)
+        result = evaluate_here(cfg, a.model, a.quant, tuple(a.temperature))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if not a.json:
+        print(f"{result['model']} served as {result['fmt']} ({result['kernel_build']}): " +
+              ", ".join(f"success at {k} {v:.1%}" for k, v in result.items() if k.startswith("T=")) +
+              f" on {result['num_problems']} eval problems")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

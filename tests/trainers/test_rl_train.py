@@ -1,0 +1,109 @@
+"""The training job in this process on the tiny base model and the planted dataset: every
+parameter moves, the loss falls, the checkpoint is a servable folder with its manifest, QAT's
+convert equals requantizing the latent weights, and bad datasets fail before training."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kernels import QuantSpec
+from pipelines.artifacts import MANIFEST, file_sha256
+from trainers.rl.config import RLConfig
+from trainers.rl.data import DatasetError
+from trainers.rl.manifest import load_checkpoint
+from trainers.rl.train import TrainJob, train
+
+SPEC = QuantSpec.w4a16(32, scale_dtype="bfloat16")
+FAST = dict(lr=1e-3, warmup_steps=0, lr_schedule="constant", minibatch_episodes=8, epochs=2, num_workers=0,
+            progress=False)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_base, rl_dataset, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rl") / "ckpt"
+    seen = []
+    m = train(TrainJob(tiny_base.path, rl_dataset.path, str(out), RLConfig(**FAST), SPEC.to_dict()),
+              report=lambda step, metrics: seen.append((step, metrics)))
+    return m, seen
+
+
+def test_two_steps_move_every_parameter_and_lower_the_loss(trained, tiny_base):
+    m, seen = trained
+    before = load_file(str(Path(tiny_base.path) / "model.safetensors"))
+    after = load_file(str(Path(m.path) / "model.safetensors"))
+    assert before.keys() == after.keys()
+    unchanged = [k for k in before if torch.equal(before[k], after[k])]
+    assert not unchanged, unchanged
+    assert [s for s, _ in seen] == [1, 2] and len(m.history) == 2
+    assert m.history[1]["loss"] < m.history[0]["loss"]
+    first = m.history[0]
+    assert first["pg/pg_clipfrac"] == 0 and first["is/mean"] > 0  # first visit: ratio 1
+    for key in ("grad_norm", "entropy", "mismatch/train_vs_behaviour", "advantage/abs_mean", "tokens_per_s",
+                "is/max", "reward/mean", "lr"):
+        assert key in first and first[key] == first[key], key
+    assert m.history[1]["mismatch/train_vs_behaviour"] > first["mismatch/train_vs_behaviour"]  # it moved off
+
+
+def test_the_checkpoint_is_a_folder_with_its_manifest(trained, tiny_base, rl_dataset):
+    m, _ = trained
+    folder = Path(m.path)
+    assert load_checkpoint(folder).to_dict() == json.loads(json.dumps(m.to_dict()))
+    assert {"config.json", "model.safetensors", "tokenizer.json", MANIFEST} <= {p.name for p in folder.iterdir()}
+    assert all(file_sha256(folder / rel) == h for rel, h in m.files.items()) and MANIFEST not in m.files
+    assert m.parent == str(Path(tiny_base.path).resolve()) and m.spec == SPEC.to_dict()
+    assert m.dataset_manifest_sha256 == file_sha256(Path(rl_dataset.path) / MANIFEST)
+    assert m.data["episodes"] == 8 and m.data["groups_all_equal_reward"] == 0
+    assert m.config["qat"] is True and m.metrics["steps"] == 2 and m.wall_seconds > 0
+
+
+def test_qat_convert_equals_requantizing_the_latent_weights(trained, tmp_path):
+    from pipelines.quantize import quantize_checkpoint
+    from trainers.qat import quantize_
+    from trainers.rl.train import prepare_policy
+
+    m, _ = trained
+    model = prepare_policy(m.path, RLConfig(**FAST), m.spec)
+    quantize_(model, SPEC, "convert")
+    quantize_checkpoint(m.path, tmp_path / "q", SPEC, parent=m.path)
+    served = load_file(str(tmp_path / "q" / "model.safetensors"))
+    layers = {n: mod for n, mod in model.named_modules() if type(mod).__name__ == "QuantizedLinear"}
+    assert layers
+    for name, layer in layers.items():
+        for key, t in layer.compressed_tensors().items():
+            assert torch.equal(served[f"{name}.{key}"], t), f"{name}.{key}"
+
+
+def _expect_refusal(tiny_base, folder: Path, tmp_path: Path, match: str):
+    out = tmp_path / "never"
+    with pytest.raises(DatasetError, match=match):
+        train(TrainJob(tiny_base.path, str(folder), str(out), RLConfig(**FAST), SPEC.to_dict()))
+    assert not out.exists()
+
+
+def test_a_truncated_dataset_fails_before_training(tiny_base, dataset_copy, tmp_path):
+    part = next((dataset_copy / "train").glob("*.parquet"))
+    part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])
+    _expect_refusal(tiny_base, dataset_copy, tmp_path, f"{part.name}.*truncated")
+
+
+def test_a_dataset_of_another_schema_fails_before_training(tiny_base, dataset_copy, tmp_path):
+    part = next((dataset_copy / "train").glob("*.parquet"))
+    t = pq.read_table(part)
+    t = t.set_column(t.schema.get_field_index("reward"), "reward", pa.array([str(x) for x in t["reward"].to_pylist()]))
+    pq.write_table(t, part)
+    manifest = json.loads((dataset_copy / MANIFEST).read_text())
+    manifest["files"][f"train/{part.name}"] = file_sha256(part)  # a consistent manifest: only the schema is off
+    (dataset_copy / MANIFEST).write_text(json.dumps(manifest))
+    _expect_refusal(tiny_base, dataset_copy, tmp_path, "schema differs.*reward")
+
+
+def test_a_folder_without_a_manifest_is_not_a_dataset(tiny_base, dataset_copy, tmp_path):
+    (dataset_copy / MANIFEST).unlink()
+    _expect_refusal(tiny_base, dataset_copy, tmp_path, "not an RL dataset")

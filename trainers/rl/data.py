@@ -1,0 +1,171 @@
+"""The RL dataset (pipelines/traces_to_dataset) -> the episodes the trainer steps on.
+
+Everything is checked before the first step: the manifest, every file's sha256 (a truncated or
+swapped file fails here, naming it), the Parquet schema against DATASET_SCHEMA, the row count
+and each row's list lengths. Advantages come from verl's estimator over the whole split, once:
+rewards are fixed, so they do not change while training. Groups smaller than `min_group_size`
+(no baseline) and groups whose rewards are all equal (zero advantage: no signal) are counted and
+left out.
+
+Shapes: an episode of n tokens predicts tokens 1..n-1, so its per-token training tensors have
+n-1 entries: entry t is about token t+1 (logits at position t).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from pipelines.artifacts import file_sha256
+from pipelines.dataset.manifest import DATASET_SCHEMA, RLDatasetManifest, load_manifest
+
+COLUMNS = ("episode_id", "group_id", "input_ids", "assistant_mask", "behaviour_logprobs", "weight_versions",
+           "reward")
+
+
+class DatasetError(ValueError):
+    """A dataset the trainer refuses before training starts; the message names the file and why."""
+
+
+@dataclass
+class Minibatch:
+    """Right-padded, (B, T) for inputs, (B, T-1) for per-token targets (entry t is token t+1)."""
+
+    input_ids: torch.Tensor  # (B, T) int64
+    attention_mask: torch.Tensor  # (B, T) int64, 1 on real tokens
+    loss_mask: torch.Tensor  # (B, T-1) float, 1 on tokens the policy sampled
+    behaviour_logprobs: torch.Tensor  # (B, T-1) float, the served policy's logprob where loss_mask
+    advantages: torch.Tensor  # (B, T-1) float, verl's estimator, 0 off loss_mask
+    rows: torch.Tensor  # (B,) which episodes (indexes into Episodes)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def to(self, device: str | torch.device) -> "Minibatch":
+        return Minibatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.loss_mask,
+                                                  self.behaviour_logprobs, self.advantages)), self.rows)
+
+
+@dataclass
+class Episodes:
+    """The train split, one entry per trainable episode."""
+
+    input_ids: list[torch.Tensor]  # (n_i,) int64 each
+    loss_mask: list[torch.Tensor]  # (n_i - 1,)
+    behaviour_logprobs: list[torch.Tensor]  # (n_i - 1,)
+    advantages: list[torch.Tensor]  # (n_i - 1,)
+    rewards: torch.Tensor  # (N,)
+    group_ids: list[str]
+    counts: dict[str, int]  # episodes/groups kept and left out, by reason
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def minibatch(self, rows: list[int] | torch.Tensor, pad_id: int = 0, width: int | None = None) -> Minibatch:
+        """`rows` padded on the right to `width` tokens (default: the longest of them)."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        n = width or max(int(self.input_ids[i].numel()) for i in rows)
+        b = len(rows)
+        ids = torch.full((b, n), pad_id, dtype=torch.long)
+        att = torch.zeros((b, n), dtype=torch.long)
+        mask, blp, adv = (torch.zeros((b, n - 1)) for _ in range(3))
+        for j, i in enumerate(rows.tolist()):
+            k = self.input_ids[i].numel()
+            ids[j, :k], att[j, :k] = self.input_ids[i], 1
+            mask[j, :k - 1], blp[j, :k - 1], adv[j, :k - 1] = (self.loss_mask[i], self.behaviour_logprobs[i],
+                                                               self.advantages[i])
+        return Minibatch(ids, att, mask, blp, adv, rows)
+
+
+def check_dataset(path: str | Path) -> RLDatasetManifest:
+    """The manifest of the dataset at `path`, once every file in it is there, whole and of the schema."""
+    path = Path(path)
+    try:
+        manifest = load_manifest(path)
+    except FileNotFoundError:
+        raise DatasetError(f"{path}: not an RL dataset (no manifest; an interrupted build leaves none)") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise DatasetError(f"{path}: unreadable dataset manifest: {e}") from None
+    for rel, digest in sorted(manifest.files.items()):
+        f = path / rel
+        if not f.is_file():
+            raise DatasetError(f"{f}: listed in the dataset manifest but missing")
+        if file_sha256(f) != digest:
+            raise DatasetError(f"{f}: sha256 differs from the dataset manifest (truncated or replaced)")
+        try:
+            schema = pq.read_schema(f)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise DatasetError(f"{f}: not a readable Parquet file: {e}") from None
+        want = {n: DATASET_SCHEMA.field(n).type for n in COLUMNS}
+        have = {n: schema.field(n).type for n in COLUMNS if n in schema.names}
+        bad = {n: f"{have.get(n, 'missing')} (want {t})" for n, t in want.items() if have.get(n) != t}
+        if bad:
+            raise DatasetError(f"{f}: schema differs from DATASET_SCHEMA: {bad}")
+    return replace(manifest, path=str(path))  # where it is now (a dataset folder can be moved)
+
+
+def load_episodes(manifest: RLDatasetManifest, adv_estimator: str = "grpo", norm_adv_by_std: bool = True,
+                  min_group_size: int = 2, split: str = "train") -> Episodes:
+    """Read `split` of a checked dataset and compute its advantages with verl's estimator."""
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+
+    files = manifest.files_of(split)
+    table = pa.concat_tables([pq.read_table(f, columns=list(COLUMNS)) for f in files]) if files else None
+    want = manifest.train_episodes if split == "train" else manifest.heldout_episodes
+    if table is None or table.num_rows != want:
+        raise DatasetError(f"{manifest.path}: {split} holds {0 if table is None else table.num_rows} episodes, "
+                           f"the manifest says {want}")
+    rows = table.to_pylist()
+    for r in rows:
+        n = len(r["input_ids"])
+        if not (len(r["assistant_mask"]) == len(r["behaviour_logprobs"]) == len(r["weight_versions"]) == n >= 2):
+            raise DatasetError(f"{manifest.path}: episode {r['episode_id']}: per-token lists of different lengths")
+    sizes = Counter(r["group_id"] for r in rows)
+    counts = Counter()
+    keep = []
+    for r in rows:
+        if sizes[r["group_id"]] < min_group_size:
+            counts["episodes_in_small_groups"] += 1
+        elif not any(r["assistant_mask"][1:]):
+            counts["episodes_without_sampled_tokens"] += 1
+        else:
+            keep.append(r)
+    if not keep:
+        raise DatasetError(f"{manifest.path}: no trainable episodes in {split} ({dict(counts)})")
+
+    n = max(len(r["input_ids"]) for r in keep) - 1
+    mask = torch.zeros((len(keep), n))
+    rewards = torch.tensor([float(r["reward"]) for r in keep])
+    for i, r in enumerate(keep):
+        mask[i, :len(r["input_ids"]) - 1] = torch.tensor(r["assistant_mask"][1:], dtype=torch.float32)
+    token_rewards = torch.zeros_like(mask)
+    last = (mask * torch.arange(n)).argmax(dim=1)  # the outcome reward sits on the last sampled token
+    token_rewards[torch.arange(len(keep)), last] = rewards
+    index = np.array([r["group_id"] for r in keep], dtype=object)
+    adv, _ = get_adv_estimator_fn(adv_estimator)(token_level_rewards=token_rewards, response_mask=mask, index=index,
+                                                 norm_adv_by_std_in_grpo=norm_adv_by_std)
+    by_group: dict[str, set] = {}
+    for r in keep:
+        by_group.setdefault(r["group_id"], set()).add(float(r["reward"]))
+    flat = {g for g, v in by_group.items() if len(v) == 1}
+    signal = [i for i, r in enumerate(keep) if r["group_id"] not in flat]
+    counts.update(episodes_read=len(rows), groups_read=len(sizes), groups_all_equal_reward=len(flat),
+                  episodes_all_equal_reward=len(keep) - len(signal), episodes=len(signal),
+                  groups=len(by_group) - len(flat))
+    if not signal:
+        raise DatasetError(f"{manifest.path}: every group's rewards are all equal: nothing to learn ({dict(counts)})")
+    ep = [keep[i] for i in signal]
+    lengths = [len(r["input_ids"]) - 1 for r in ep]
+    return Episodes(
+        input_ids=[torch.tensor(r["input_ids"], dtype=torch.long) for r in ep],
+        loss_mask=[mask[i, :k].clone() for i, k in zip(signal, lengths)],
+        behaviour_logprobs=[torch.tensor(r["behaviour_logprobs"][1:], dtype=torch.float32) for r in ep],
+        advantages=[adv[i, :k].clone() for i, k in zip(signal, lengths)],
+        rewards=rewards[signal], group_ids=[r["group_id"] for r in ep], counts=dict(counts))

@@ -1,0 +1,108 @@
+"""Run a TrainJob on Ray Train: a TorchTrainer with `rl.num_workers` data-parallel workers (gloo
+on the CPU, NCCL with `use_gpu`), each calling trainers.rl.train.train with its rank. The only
+module of trainers/ that imports Ray.
+
+Without `ray.address` a local runtime starts with light settings (no dashboard, a small object
+store, this machine's cores) so it fits beside a vLLM engine on two cores; it stays up for the
+process (later phases reuse it). Rank 0's per-step metrics come back live through a Ray Queue to
+`report` in this process (the loop logs them to MLflow); rank 0 writes the checkpoint, so on a
+multi-node cluster `out_dir` must be on storage every node sees. `num_workers: 0` runs the same
+function in this process, without Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainers.rl.manifest import PolicyCheckpoint, load_checkpoint
+from trainers.rl.train import TrainJob, train
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None  # a running cluster ("auto", "ray://host:10001"); None: start a local runtime
+    dashboard: bool = False
+    object_store_mb: int = 128  # the local runtime's object store (only metrics and configs travel)
+    num_cpus: int | None = None  # the local runtime's CPUs; None: this machine's
+
+    def __post_init__(self):
+        if self.object_store_mb < 80:
+            raise ValueError(f"object_store_mb must be >= 80 (Ray's minimum), got {self.object_store_mb}")
+
+
+def ensure_ray(cfg: RayConfig) -> float:
+    """Connect to `cfg.address`, or start a local runtime once; seconds it took (0 if up already)."""
+    import ray
+
+    if ray.is_initialized():
+        return 0.0
+    t0 = time.perf_counter()
+    kwargs = {"include_dashboard": cfg.dashboard, "configure_logging": False, "log_to_driver": True}
+    if cfg.address is None:
+        kwargs |= {"object_store_memory": cfg.object_store_mb << 20, "num_cpus": cfg.num_cpus or os.cpu_count()}
+    ray.init(address=cfg.address, **kwargs)
+    return time.perf_counter() - t0
+
+
+def run_training(job: TrainJob, ray_cfg: RayConfig, report: Callable[[int, dict], None] = lambda s, m: None
+                 ) -> PolicyCheckpoint:
+    """Train on Ray (or in this process when `num_workers` is 0); the checkpoint's manifest."""
+    job.check()  # fail before any worker starts
+    if job.rl.num_workers == 0:
+        return train(job, report)
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.util.queue import Queue
+
+    ensure_ray(ray_cfg)
+    queue = Queue()
+    rl = job.rl
+    trainer = TorchTrainer(
+        _worker, train_loop_config={"job": job, "queue": queue},
+        scaling_config=ScalingConfig(num_workers=rl.num_workers, use_gpu=rl.use_gpu,
+                                     resources_per_worker=None if rl.use_gpu else {"CPU": 1}),
+        torch_config=TorchConfig(backend="nccl" if rl.use_gpu else "gloo"),
+        run_config=RunConfig(name=f"train-{Path(job.out_dir).name}",
+                             storage_path=str(Path(job.out_dir).resolve().parent / ".ray-train")))
+    done: dict = {}
+
+    def fit() -> None:
+        try:
+            done["result"] = trainer.fit()
+        except BaseException as e:  # re-raised below, in the caller's thread
+            done["error"] = e
+
+    thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
+    thread.start()
+    while thread.is_alive() or not queue.empty():
+        try:
+            step, metrics = queue.get(timeout=0.5)
+        except Exception:  # ray.util.queue.Empty
+            continue
+        report(step, metrics)
+    thread.join()
+    ray.kill(queue.actor)
+    if "error" in done:
+        raise RuntimeError(f"training on Ray failed: {done['error']}") from done["error"]
+    return load_checkpoint(job.out_dir)
+
+
+def _worker(config: dict) -> None:
+    import ray.train
+    import ray.train.torch
+    import torch
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    job: TrainJob = config["job"]
+    threads = job.rl.threads_per_worker or max(1, (os.cpu_count() or 1) // ctx.get_local_world_size())
+    torch.set_num_threads(threads)
+    queue = config["queue"]
+    report = (lambda step, metrics: queue.put((step, metrics))) if rank == 0 else (lambda step, metrics: None)
+    train(job, report, rank=rank, world=world, device=str(ray.train.torch.get_device()))

@@ -1,0 +1,254 @@
+"""The RL training job: a checkpoint and an RL dataset in, a trained checkpoint out.
+
+    check the dataset -> advantages (verl) -> the policy (QAT-prepared with the serving spec)
+    -> epochs x minibatches of `rl_loss` steps -> save (rank 0) -> PolicyCheckpoint
+
+The same function runs in this process (world 1) and in each Ray Train worker (trainers/rl/
+launch.py passes rank and world; torch.distributed is already set up there). Data parallelism is
+explicit and small: every rank reads the whole (small) split and draws the same shuffle, takes
+its slice of each global minibatch, and the gradients are summed across ranks before clipping;
+verl's agg_loss scales each rank's loss to its share of the global minibatch, so N ranks take
+the step 1 rank takes on the same global batch. The proximal logprobs of each visit are shared
+across ranks (a row may land on another rank next epoch).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from pipelines.artifacts import MANIFEST, checkpoint_sha256, file_sha256
+from trainers.rl.config import RLConfig
+from trainers.rl.data import Episodes, check_dataset, load_episodes
+from trainers.rl.manifest import PolicyCheckpoint, save_manifest
+from trainers.rl.step import global_batch_info, rl_loss, token_logprobs
+
+PLAIN_MEAN = ("loss", "pg/loss", "kl_ref")  # already each rank's share of the global value x world
+_NOT_COPIED = (".safetensors", ".bin", MANIFEST, "model.safetensors.index.json", "config.json",
+               "generation_config.json")
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """One training run, as plain data (it crosses to Ray workers)."""
+
+    parent: str  # Hugging Face folder with full-precision weights
+    dataset: str  # RL dataset folder (pipelines/traces_to_dataset)
+    out_dir: str  # the checkpoint folder to create (must not exist)
+    rl: RLConfig
+    spec: dict | None = None  # the serving QuantSpec (to_dict()); QAT trains through it when rl.qat
+
+    def check(self) -> None:
+        if Path(self.out_dir).exists():
+            raise FileExistsError(f"out_dir {self.out_dir} exists: a checkpoint folder is written once")
+        if not (Path(self.parent) / "config.json").is_file():
+            raise FileNotFoundError(f"parent {self.parent} is not a Hugging Face folder (no config.json)")
+        if self.rl.qat and self.spec is None:
+            raise ValueError("qat is on but no serving spec was given (the format served without quantization "
+                             "needs trainer.qat=false)")
+
+
+def prepare_policy(parent: str, rl: RLConfig, spec: dict | None):
+    """The model to train: the parent's weights in `rl.dtype`, QAT-prepared with `spec` when `rl.qat`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(parent, torch_dtype=getattr(torch, rl.dtype))
+    if rl.qat:
+        from kernels import QuantSpec
+        from trainers.qat import quantize_
+
+        quantize_(model, QuantSpec.from_dict(spec), "prepare")
+    return model
+
+
+def train(job: TrainJob, report: Callable[[int, dict], None] = lambda step, m: None, rank: int = 0,
+          world: int = 1, device: str = "cpu") -> PolicyCheckpoint | None:
+    """Run the job; rank 0 saves and returns the manifest (other ranks return None)."""
+    t_start = time.perf_counter()
+    rl = job.rl
+    job.check()
+    torch.manual_seed(rl.seed)
+    dataset = check_dataset(job.dataset)
+    episodes = load_episodes(dataset, rl.adv_estimator, rl.norm_adv_by_std, rl.min_group_size)
+    model = prepare_policy(job.parent, rl, job.spec).to(device)
+    model.train()
+    ref = None
+    if rl.kl_coef > 0:
+        ref = prepare_policy(job.parent, rl, job.spec).to(device).eval().requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=rl.lr, betas=rl.betas, weight_decay=rl.weight_decay)
+    batches = minibatch_plan(len(episodes), rl, world)
+    sched = lr_schedule(opt, rl, len(batches))
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    proximal: list[torch.Tensor | None] = [None] * len(episodes)
+    history: list[dict] = []
+    bar = tqdm(total=len(batches), desc="RL", unit="step", disable=rank != 0 or not rl.progress)
+    for step, (epoch, rows) in enumerate(batches, 1):
+        t0 = time.perf_counter()
+        mine = rows.tensor_split(world)[rank]
+        width = max(int(episodes.input_ids[i].numel()) for i in rows)  # the global minibatch's
+        mb = episodes.minibatch(mine, pad_id, width=width).to(device)
+        global_tokens = int(sum(episodes.loss_mask[i].sum() for i in rows))
+        info = global_batch_info(rl, global_tokens, len(rows), world)
+        logprobs, entropy = token_logprobs(model, mb, with_entropy=True, entropy_grad=rl.entropy_coeff > 0)
+        prox = torch.stack([p if p is not None else lp for p, lp in
+                            zip(pad_rows([proximal[i] for i in mine.tolist()], width - 1), logprobs.detach())])
+        ref_lp = None
+        if ref is not None:
+            with torch.no_grad():
+                ref_lp, _ = token_logprobs(ref, mb)
+        out = rl_loss(logprobs, prox, mb, rl, info, entropy=entropy, ref_logprobs=ref_lp)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        sum_gradients(params, world)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, rl.grad_clip))
+        opt.step()
+        sched.step()
+        for i, lp in zip(rows.tolist(), gather_rows(logprobs.detach(), rows, world)):
+            proximal[i] = lp[:episodes.loss_mask[i].numel()].cpu()
+        seconds = time.perf_counter() - t0
+        metrics = reduce_metrics(out.metrics, mb.tokens, world)
+        metrics.update({"grad_norm": grad_norm, "lr": sched.get_last_lr()[0], "epoch": epoch,
+                        "reward/mean": float(episodes.rewards[rows].mean()), "tokens": global_tokens,
+                        "tokens_per_s": global_tokens / seconds, "step_seconds": seconds})
+        history.append({"step": step, **metrics})
+        report(step, metrics)
+        bar.update()
+        bar.set_postfix(loss=f"{metrics['loss']:.4f}", reward=f"{metrics['reward/mean']:.2f}")
+    bar.close()
+    if rank != 0:
+        return None
+    return save(model, job, episodes, history, time.perf_counter() - t_start, world)
+
+
+def minibatch_plan(n: int, rl: RLConfig, world: int) -> list[tuple[int, torch.Tensor]]:
+    """(epoch, global rows) per optimizer step: a seeded shuffle per epoch, cut into minibatches
+    (a last one smaller than `world` rows is dropped), at most `max_steps` of them."""
+    gen = torch.Generator().manual_seed(rl.seed)
+    plan = []
+    for epoch in range(rl.epochs):
+        order = torch.randperm(n, generator=gen)
+        plan += [(epoch, order[s:s + rl.minibatch_episodes]) for s in range(0, n, rl.minibatch_episodes)
+                 if len(order[s:s + rl.minibatch_episodes]) >= world]
+    return plan[:rl.max_steps]
+
+
+def lr_schedule(opt, rl: RLConfig, total_steps: int):
+    from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+
+    if rl.lr_schedule == "cosine":
+        return get_cosine_schedule_with_warmup(opt, rl.warmup_steps, max(total_steps, 1))
+    return get_constant_schedule_with_warmup(opt, rl.warmup_steps)
+
+
+def pad_rows(rows: list[torch.Tensor | None], width: int) -> list[torch.Tensor | None]:
+    return [None if r is None else torch.nn.functional.pad(r, (0, width - r.numel())) for r in rows]
+
+
+def sum_gradients(params: list[torch.Tensor], world: int) -> None:
+    """Average the ranks' gradients (each rank's loss is already scaled by `world`: verl's agg_loss)."""
+    if world == 1:
+        return
+    import torch.distributed as dist
+
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for p in params:
+        k = p.numel()
+        p.grad = flat[offset:offset + k].view_as(p).clone()
+        offset += k
+
+
+def gather_rows(local: torch.Tensor, rows: torch.Tensor, world: int) -> list[torch.Tensor]:
+    """Every rank's rows of a (b_rank, L) tensor, in the order of `rows` (its tensor_split)."""
+    if world == 1:
+        return list(local)
+    import torch.distributed as dist
+
+    sizes = [len(s) for s in rows.tensor_split(world)]
+    padded = torch.zeros((max(sizes), local.shape[1]), dtype=local.dtype, device=local.device)
+    padded[:len(local)] = local
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return [r for part, k in zip(parts, sizes) for r in part[:k]]
+
+
+def reduce_metrics(metrics: dict[str, float], tokens: int, world: int) -> dict[str, float]:
+    """Across ranks: token-weighted means, except maxima (max), minima (min) and PLAIN_MEAN keys."""
+    if world == 1:
+        return dict(metrics)
+    import torch.distributed as dist
+
+    keys = sorted(metrics)
+    vals = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+    weighted = torch.tensor([*(vals * tokens).tolist(), float(tokens)], dtype=torch.float64)
+    plain, hi, lo = vals.clone(), vals.clone(), vals.clone()
+    dist.all_reduce(weighted)
+    dist.all_reduce(plain)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    out = {}
+    for j, k in enumerate(keys):
+        if k in PLAIN_MEAN:
+            out[k] = float(plain[j]) / world
+        elif k.endswith("max"):
+            out[k] = float(hi[j])
+        elif k.endswith("min"):
+            out[k] = float(lo[j])
+        else:
+            out[k] = float(weighted[j] / max(weighted[-1], 1.0))
+    return out
+
+
+def save(model, job: TrainJob, episodes: Episodes, history: list[dict], seconds: float,
+         world: int) -> PolicyCheckpoint:
+    """The latent weights (a QAT-prepared model saves its full-precision Parameters under the
+    usual keys), the parent's tokenizer files, then the manifest; renamed into place."""
+    out = Path(job.out_dir)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        for f in sorted(Path(job.parent).iterdir()):
+            if f.is_file() and not f.name.endswith(_NOT_COPIED) and not (tmp / f.name).exists():
+                shutil.copy2(f, tmp / f.name)
+        files = {p.relative_to(tmp).as_posix(): file_sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        manifest = PolicyCheckpoint(
+            path=str(out.resolve()), parent=str(Path(job.parent).resolve()), parent_sha256=checkpoint_sha256(job.parent),
+            dataset=str(Path(job.dataset).resolve()),
+            dataset_manifest_sha256=file_sha256(Path(job.dataset) / MANIFEST), spec=job.spec if job.rl.qat else None,
+            config=asdict(job.rl), data=episodes.counts, metrics=summarize(history, seconds), history=history,
+            wall_seconds=round(seconds, 2), world_size=world, files=files,
+            created_at=datetime.now(timezone.utc).isoformat())
+        save_manifest(manifest, tmp)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def summarize(history: list[dict], seconds: float) -> dict[str, float]:
+    if not history:
+        return {"steps": 0, "seconds": round(seconds, 2)}
+    tokens = sum(h["tokens"] for h in history)
+    step_s = sum(h["step_seconds"] for h in history)
+    return {"steps": len(history), "tokens": tokens, "seconds": round(seconds, 2),
+            "step_seconds": round(step_s, 2), "tokens_per_s": tokens / step_s if step_s else math.nan,
+            "loss_first": history[0]["loss"], "loss_last": history[-1]["loss"],
+            "mismatch_first": history[0]["mismatch/train_vs_behaviour"],
+            "mismatch_last": history[-1]["mismatch/train_vs_behaviour"],
+            "reward_mean": sum(h["reward/mean"] for h in history) / len(history)}
