@@ -13,6 +13,8 @@ from loop.collect import CollectConfig, DatasetPhaseConfig
 from loop.configs import load
 from rollout.engine import EngineConfig
 from rollout.server.config import ServeConfig
+from trainers.rl.config import RLConfig
+from trainers.rl.launch import RayConfig
 
 
 @dataclass
@@ -31,6 +33,8 @@ class LoopConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
     collect: CollectConfig = field(default_factory=CollectConfig)
     dataset: DatasetPhaseConfig = field(default_factory=DatasetPhaseConfig)
+    trainer: RLConfig = field(default_factory=RLConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self):
         if not self.run_dir:

@@ -15,8 +15,10 @@ from pathlib import Path
 from loop.bootstrap import BaseModelManifest, bootstrap, evaluate_with_vllm
 from loop.collect import CollectManifest, collect_phase, dataset_phase, log_collect
 from loop.config import LoopConfig
+from loop.train import train_phase
+from trainers.rl.data import NoSignal
 
-PHASES_NOT_YET_BUILT = ("train", "requantize", "validate", "promote")
+PHASES_NOT_YET_BUILT = ("requantize", "validate", "promote")
 
 
 @contextmanager
@@ -89,7 +91,14 @@ def collect_and_build(cfg: LoopConfig, base: BaseModelManifest) -> tuple[Collect
 
 def run(cfg: LoopConfig) -> int:
     base = bootstrap_phase(cfg)
-    collect_and_build(cfg, base)
+    _, dataset = collect_and_build(cfg, base)
+    timings: dict = {}
+    try:
+        with phase("train", timings):
+            ckpt = train_phase(cfg, base.path, dataset, Path(cfg.run_dir))
+    except NoSignal as e:
+        print(f"[loop] nothing to train on, no new checkpoint this cycle: {e}", flush=True)
+        return 0
     print(f"[loop] phases not built yet: {' -> '.join(PHASES_NOT_YET_BUILT)}; "
-          f"the base model is ready at {base.path}")
+          f"the trained checkpoint is ready at {ckpt.path} (its parent: {base.path})")
     return 0

@@ -22,7 +22,7 @@ from functools import cached_property, lru_cache
 from typing import Literal
 
 from rollout.episode import chatml_to_messages
-from rollout.task import Problem, problem_from_question, reward as task_exact_reward
+from rollout.task import Problem, parse_calculator_call, problem_from_question, reward as task_exact_reward
 from rollout.traces import Feedback
 
 FeedbackMode = Literal["ignore", "override", "mean"]
@@ -83,6 +83,17 @@ def task_reward(ep: EpisodeRecord) -> float | None:
     if problem is None:
         return None
     return task_exact_reward(problem, ep.messages)
+
+
+def shaped_task_reward(ep: EpisodeRecord) -> float | None:
+    """`task_reward`, with 0.2 of partial credit for a well-formed calculator call whose answer is
+    wrong: a base model that rarely answers right (below ~5% success nearly every GRPO group is
+    all zeros) still gets groups with signal, on the format it must learn first."""
+    exact = task_reward(ep)
+    if exact is None or exact > 0:
+        return exact
+    first = next((m for m in ep.messages if m["role"] == "assistant"), None)
+    return 0.2 if first is not None and parse_calculator_call(first.get("tool_calls")) is not None else 0.0
 
 
 def feedback_reward(ep: EpisodeRecord) -> float | None:

@@ -1,10 +1,12 @@
 """`loop run` end to end on the tiny config: bootstrap (reused from the session's build), base
-success measured through vLLM, then collect (a real `loop serve` child, episodes over HTTP) and
-build_dataset (the traces it wrote), each phase group an MLflow run in a real sqlite store."""
+success measured through vLLM, then collect (a real `loop serve` child, episodes over HTTP),
+build_dataset (the traces it wrote) and train (GRPO on a real local Ray runtime), each phase
+group an MLflow run in a real sqlite store."""
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +19,7 @@ def test_config_error_exits_2_with_the_key(tmp_path):
 
 
 @pytest.mark.slow
-def test_loop_run_bootstraps_collects_and_builds_the_dataset(tiny_base, tiny_cfg, tmp_path):
+def test_loop_run_bootstraps_collects_builds_the_dataset_and_trains(tiny_base, tiny_cfg, tmp_path):
     import mlflow
     import pyarrow.parquet as pq
 
@@ -25,20 +27,20 @@ def test_loop_run_bootstraps_collects_and_builds_the_dataset(tiny_base, tiny_cfg
     run_dir = tmp_path / "run"
     out = subprocess.run(
         [sys.executable, "-m", "loop.cli", "run", "conf/tiny.yaml", f"bootstrap.cache_dir={cache}",
-         f"run_dir={run_dir}", f"serve.trace_root={tmp_path / 'data'}", "collect.num_problems=3",
+         f"run_dir={run_dir}", f"serve.trace_root={tmp_path / 'data'}", "collect.num_problems=4",
          "collect.rollout.group_size=4", "collect.rollout.max_tokens=32",
-         # groups hash their collection round (a fresh run id): split 12 episodes, not 3 groups, so
-         # both sides are non-empty but for a 2 x 0.5^12 chance
-         "dataset.heldout_unit=episode", "dataset.heldout_fraction=0.5"],
+         # groups hash their collection round (a fresh run id): split 16 episodes, not 4 groups, so
+         # both sides are non-empty but for a ~0.66^16 (0.1%) chance
+         "dataset.heldout_unit=episode", "dataset.heldout_fraction=0.34"],
         capture_output=True, text=True, timeout=900,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"base model {tiny_base.path}" in out.stdout
-    assert "collected 12 episodes (12 ok)" in out.stdout, out.stdout[-2000:]
+    assert "collected 16 episodes (16 ok)" in out.stdout, out.stdout[-2000:]
     client = mlflow.tracking.MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     exp = client.get_experiment_by_name(tiny_cfg.mlflow.experiment)
     runs = {r.data.tags["phase"]: r for r in client.search_runs([exp.experiment_id])}
-    assert set(runs) == {"bootstrap", "collect"}
+    assert set(runs) == {"bootstrap", "collect", "train"}
     assert all(r.info.artifact_uri.startswith((run_dir / "artifacts").resolve().as_uri()) for r in runs.values())
 
     boot = runs["bootstrap"]
@@ -48,19 +50,32 @@ def test_loop_run_bootstraps_collects_and_builds_the_dataset(tiny_base, tiny_cfg
 
     col = runs["collect"]
     m = col.data.metrics
-    assert m["collect/episodes"] == 12 and m["collect/episodes_ok"] == 12 and m["collect/episodes_per_s"] > 0
+    assert m["collect/episodes"] == 16 and m["collect/episodes_ok"] == 16 and m["collect/episodes_per_s"] > 0
     # every collected episode came back from the server's traces into the dataset, none dropped
-    assert m["dataset/train_episodes"] + m["dataset/heldout_episodes"] == 12
+    assert m["dataset/train_episodes"] + m["dataset/heldout_episodes"] == 16
     assert m["dataset/heldout_episodes"] > 0 and m["dataset/train_episodes"] > 0
     assert not any(v for k, v in m.items() if k.startswith("dataset/dropped"))
     assert {a.path for a in client.list_artifacts(col.info.run_id, "plots")} == {"plots/group_success.png"}
     manifest = json.loads(mlflow.artifacts.load_text(f"{col.info.artifact_uri}/dataset_manifest.json"))
     collected = json.loads(mlflow.artifacts.load_text(f"{col.info.artifact_uri}/collect_manifest.json"))
     assert manifest["path"] == col.data.tags["dataset_path"] and manifest["parent"]["weight_versions"] == [0]
-    assert sum(collected["group_successes"]) == round(12 * collected["success"])
+    assert sum(collected["group_successes"]) == round(16 * collected["success"])
     rows = [r for split in ("train", "heldout") for f in sorted((run_dir / "datasets").glob(f"*/{split}/*.parquet"))
             for r in pq.read_table(f, columns=["episode_id", "group_id", "reward"]).to_pylist()]
     assert sorted(r["episode_id"] for r in rows) == sorted(f"{collected['run_id']}-{g}-{s}"
-                                                            for g in range(3) for s in range(4))
-    assert len({r["group_id"] for r in rows}) == 3
-    assert sum(r["reward"] for r in rows) == sum(collected["group_successes"])
+                                                            for g in range(4) for s in range(4))
+    assert len({r["group_id"] for r in rows}) == 4
+    # conf/tiny.yaml scores with the shaped reward: 1 for a right answer, 0.2 for the tool call alone
+    assert sum(r["reward"] == 1.0 for r in rows) == sum(collected["group_successes"])
+    assert {r["reward"] for r in rows} <= {0.0, 0.2, 1.0}
+
+    train = runs["train"]
+    ckpt = json.loads(mlflow.artifacts.load_text(f"{train.info.artifact_uri}/checkpoint_manifest.json"))
+    assert ckpt["path"] == train.data.tags["checkpoint_path"] and ckpt["dataset"] == manifest["path"]
+    assert (Path(ckpt["path"]) / "flywheel_manifest.json").is_file() and ckpt["world_size"] == 1
+    assert f"the trained checkpoint is ready at {ckpt['path']}" in out.stdout
+    steps = ckpt["metrics"]["steps"]
+    assert steps >= 1 and len(client.get_metric_history(train.info.run_id, "train/loss")) == steps
+    for key in ("train/mismatch/train_vs_behaviour", "train/is/mean", "train/grad_norm", "train/tokens_per_s"):
+        assert len(client.get_metric_history(train.info.run_id, key)) == steps, key
+    assert {a.path for a in client.list_artifacts(train.info.run_id, "plots")} >= {"plots/loss.png"}

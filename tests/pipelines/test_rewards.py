@@ -32,6 +32,18 @@ def test_task_reward_on_rendered_demonstrations(tiny_tokenizer):
     assert task_reward(_record(tiny_tokenizer, off_task)) is None
 
 
+def test_shaped_reward_credits_the_tool_call_format(tiny_tokenizer):
+    from pipelines.rewards import shaped_task_reward
+
+    p = make_problems("eval", 1, seed=4)[0]
+    demo = demonstration(p)
+    wrong = demo[:-1] + [{"role": "assistant", "content": f"Answer: {p.answer + 1}"}]
+    assert shaped_task_reward(_record(tiny_tokenizer, demo)) == 1.0
+    assert shaped_task_reward(_record(tiny_tokenizer, wrong)) == 0.2
+    assert shaped_task_reward(_record(tiny_tokenizer, demo[:2] + [demo[-1]])) == 0.0  # no calculator call
+    assert shaped_task_reward(_record(tiny_tokenizer, [{"role": "user", "content": "Hi"}])) is None
+
+
 def test_feedback_modes_and_latest_feedback_wins(tiny_tokenizer):
     p = make_problems("eval", 1)[0]
     fb = [Feedback(trace_id="t", reward=0.0, created_at=T0), Feedback(trace_id="t", rating=1, created_at=T0),

@@ -33,6 +33,11 @@ class DatasetError(ValueError):
     """A dataset the trainer refuses before training starts; the message names the file and why."""
 
 
+class NoSignal(DatasetError):
+    """A whole, well-formed dataset with nothing to learn: every group's rewards are equal (or no
+    group has two episodes). The loop ends the cycle without a checkpoint."""
+
+
 @dataclass
 class Minibatch:
     """Right-padded, (B, T) for inputs, (B, T-1) for per-token targets (entry t is token t+1)."""
@@ -138,7 +143,7 @@ def load_episodes(manifest: RLDatasetManifest, adv_estimator: str = "grpo", norm
         else:
             keep.append(r)
     if not keep:
-        raise DatasetError(f"{manifest.path}: no trainable episodes in {split} ({dict(counts)})")
+        raise NoSignal(f"{manifest.path}: no trainable episodes in {split} ({dict(counts)})")
 
     n = max(len(r["input_ids"]) for r in keep) - 1
     mask = torch.zeros((len(keep), n))
@@ -160,7 +165,7 @@ def load_episodes(manifest: RLDatasetManifest, adv_estimator: str = "grpo", norm
                   episodes_all_equal_reward=len(keep) - len(signal), episodes=len(signal),
                   groups=len(by_group) - len(flat))
     if not signal:
-        raise DatasetError(f"{manifest.path}: every group's rewards are all equal: nothing to learn ({dict(counts)})")
+        raise NoSignal(f"{manifest.path}: every group's rewards are all equal: nothing to learn ({dict(counts)})")
     ep = [keep[i] for i in signal]
     lengths = [len(r["input_ids"]) - 1 for r in ep]
     return Episodes(

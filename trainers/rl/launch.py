@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainers.rl.data import check_dataset, load_episodes
 from trainers.rl.manifest import PolicyCheckpoint, load_checkpoint
 from trainers.rl.train import TrainJob, train
 
@@ -52,7 +53,9 @@ def ensure_ray(cfg: RayConfig) -> float:
 def run_training(job: TrainJob, ray_cfg: RayConfig, report: Callable[[int, dict], None] = lambda s, m: None
                  ) -> PolicyCheckpoint:
     """Train on Ray (or in this process when `num_workers` is 0); the checkpoint's manifest."""
-    job.check()  # fail before any worker starts
+    job.check()  # fail here, before any worker starts
+    rl = job.rl
+    load_episodes(check_dataset(job.dataset), rl.adv_estimator, rl.norm_adv_by_std, rl.min_group_size)
     if job.rl.num_workers == 0:
         return train(job, report)
     import ray
@@ -62,7 +65,6 @@ def run_training(job: TrainJob, ray_cfg: RayConfig, report: Callable[[int, dict]
 
     ensure_ray(ray_cfg)
     queue = Queue()
-    rl = job.rl
     trainer = TorchTrainer(
         _worker, train_loop_config={"job": job, "queue": queue},
         scaling_config=ScalingConfig(num_workers=rl.num_workers, use_gpu=rl.use_gpu,

@@ -33,8 +33,8 @@ from trainers.rl.manifest import PolicyCheckpoint, save_manifest
 from trainers.rl.step import global_batch_info, rl_loss, token_logprobs
 
 PLAIN_MEAN = ("loss", "pg/loss", "kl_ref")  # already each rank's share of the global value x world
-_NOT_COPIED = (".safetensors", ".bin", MANIFEST, "model.safetensors.index.json", "config.json",
-               "generation_config.json")
+_WEIGHTS = (".safetensors", ".bin")
+_WRITTEN = (MANIFEST, "model.safetensors.index.json", "config.json", "generation_config.json")  # by save()
 
 
 @dataclass(frozen=True)
@@ -125,9 +125,10 @@ def train(job: TrainJob, report: Callable[[int, dict], None] = lambda step, m: N
         bar.update()
         bar.set_postfix(loss=f"{metrics['loss']:.4f}", reward=f"{metrics['reward/mean']:.2f}")
     bar.close()
+    divergence = rank_divergence(params, world)
     if rank != 0:
         return None
-    return save(model, job, episodes, history, time.perf_counter() - t_start, world)
+    return save(model, job, episodes, history, time.perf_counter() - t_start, world, divergence)
 
 
 def minibatch_plan(n: int, rl: RLConfig, world: int) -> list[tuple[int, torch.Tensor]]:
@@ -171,6 +172,19 @@ def sum_gradients(params: list[torch.Tensor], world: int) -> None:
         offset += k
 
 
+def rank_divergence(params: list[torch.Tensor], world: int) -> float:
+    """max |w_rank - w_other| over all weights: 0 when the ranks hold the same model, as they must."""
+    if world == 1:
+        return 0.0
+    import torch.distributed as dist
+
+    flat = torch.cat([p.detach().reshape(-1).float() for p in params])
+    hi, lo = flat.clone(), flat.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    return float((hi - lo).max())
+
+
 def gather_rows(local: torch.Tensor, rows: torch.Tensor, world: int) -> list[torch.Tensor]:
     """Every rank's rows of a (b_rank, L) tensor, in the order of `rows` (its tensor_split)."""
     if world == 1:
@@ -212,8 +226,8 @@ def reduce_metrics(metrics: dict[str, float], tokens: int, world: int) -> dict[s
     return out
 
 
-def save(model, job: TrainJob, episodes: Episodes, history: list[dict], seconds: float,
-         world: int) -> PolicyCheckpoint:
+def save(model, job: TrainJob, episodes: Episodes, history: list[dict], seconds: float, world: int,
+         divergence: float = 0.0) -> PolicyCheckpoint:
     """The latent weights (a QAT-prepared model saves its full-precision Parameters under the
     usual keys), the parent's tokenizer files, then the manifest; renamed into place."""
     out = Path(job.out_dir)
@@ -223,14 +237,15 @@ def save(model, job: TrainJob, episodes: Episodes, history: list[dict], seconds:
     try:
         model.save_pretrained(str(tmp), safe_serialization=True)
         for f in sorted(Path(job.parent).iterdir()):
-            if f.is_file() and not f.name.endswith(_NOT_COPIED) and not (tmp / f.name).exists():
+            if f.is_file() and f.suffix not in _WEIGHTS and f.name not in _WRITTEN and not (tmp / f.name).exists():
                 shutil.copy2(f, tmp / f.name)
         files = {p.relative_to(tmp).as_posix(): file_sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = PolicyCheckpoint(
             path=str(out.resolve()), parent=str(Path(job.parent).resolve()), parent_sha256=checkpoint_sha256(job.parent),
             dataset=str(Path(job.dataset).resolve()),
             dataset_manifest_sha256=file_sha256(Path(job.dataset) / MANIFEST), spec=job.spec if job.rl.qat else None,
-            config=asdict(job.rl), data=episodes.counts, metrics=summarize(history, seconds), history=history,
+            config=asdict(job.rl), data=episodes.counts, history=history,
+            metrics={**summarize(history, seconds), "ranks_max_param_diff": divergence},
             wall_seconds=round(seconds, 2), world_size=world, files=files,
             created_at=datetime.now(timezone.utc).isoformat())
         save_manifest(manifest, tmp)
