@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
@@ -20,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-from loop.configs import to_dict
+from loop.configs import to_yaml
 from pipelines.rewards import DEFAULT_REWARD_FN, FeedbackMode
 from rollout.collector import CollectorConfig
 
@@ -119,7 +118,7 @@ def collect_phase(cfg, model: str | Path, run_dir: Path) -> CollectManifest:
     else:
         logs = run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        (logs / "serve-collect.yaml").write_text(json.dumps(to_dict(cfg), indent=2))  # JSON is YAML
+        (logs / "serve-collect.yaml").write_text(to_yaml(cfg))
         with ServerProcess(logs / "serve-collect.yaml", model, cfg.serve.trace_root, logs / "serve-collect.log") as srv:
             print(f"[loop] serving {model} at {srv.url}, traces to {cfg.serve.trace_root}", flush=True)
             ccfg = c.collector(srv.url)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import types
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -147,6 +148,12 @@ def to_dict(obj: Any) -> dict:
     return dataclasses.asdict(obj)
 
 
+def to_yaml(obj: Any) -> str:
+    """The config as YAML that `load` reads back to an equal config. (Not JSON-as-YAML: PyYAML
+    reads JSON's `5e-05` as a string; lists stand for tuples.)"""
+    return yaml.safe_dump(json.loads(json.dumps(to_dict(obj))), sort_keys=False)
+
+
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
@@ -158,4 +165,4 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-__all__ = ["ConfigError", "apply_overrides", "build", "flatten", "load", "to_dict"]
+__all__ = ["ConfigError", "apply_overrides", "build", "flatten", "load", "to_dict", "to_yaml"]

@@ -14,6 +14,16 @@ def test_every_shipped_yaml_loads(path):
     assert isinstance(cfg, LoopConfig)
 
 
+@pytest.mark.parametrize("path", sorted(CONF.glob("*.yaml")), ids=lambda p: p.name)
+def test_a_written_config_reads_back_equal(path, tmp_path):
+    """The loop hands its config to child processes as YAML (the collect phase's server)."""
+    from loop.configs import to_yaml
+
+    cfg = load_config(path, ["trainer.lr=5e-05", "trainer.betas=[0.9,0.95]"])
+    (tmp_path / "c.yaml").write_text(to_yaml(cfg))
+    assert load_config(tmp_path / "c.yaml") == cfg
+
+
 def test_overrides_apply_with_hydra_grammar():
     cfg = load_config(CONF / "agent_rl.yaml", ["bootstrap.sft.lr=5e-4", "engine.kv_cache_gib=2", "~run_dir"])
     assert cfg.bootstrap.sft.lr == 5e-4 and cfg.engine.kv_cache_gib == 2

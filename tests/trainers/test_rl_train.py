@@ -108,3 +108,15 @@ def test_a_dataset_of_another_schema_fails_before_training(tiny_base, dataset_co
 def test_a_folder_without_a_manifest_is_not_a_dataset(tiny_base, dataset_copy, tmp_path):
     (dataset_copy / MANIFEST).unlink()
     _expect_refusal(tiny_base, dataset_copy, tmp_path, "not an RL dataset")
+
+
+def test_same_seed_same_weights_and_bfloat16_trains(tiny_base, rl_dataset, tmp_path):
+    one = dict(FAST, max_steps=1)
+    runs = [train(TrainJob(tiny_base.path, rl_dataset.path, str(tmp_path / f"s{i}"), RLConfig(**one), SPEC.to_dict()))
+            for i in range(2)]
+    a, b = (load_file(str(Path(m.path) / "model.safetensors")) for m in runs)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    bf = train(TrainJob(tiny_base.path, rl_dataset.path, str(tmp_path / "bf16"), RLConfig(**one, dtype="bfloat16"),
+                        SPEC.to_dict()))
+    w = load_file(str(Path(bf.path) / "model.safetensors"))
+    assert all(t.dtype == torch.bfloat16 for t in w.values()) and bf.history[0]["loss"] == bf.history[0]["loss"]
