@@ -5,6 +5,7 @@
     loop ui CONFIG                         open the MLflow UI on the run's tracking store
     loop serve CONFIG [key=value ...]      serve the model (serve.model, else the base) over HTTP
     loop config CONFIG [key=value ...]     print the resolved config
+    loop eval CONFIG MODEL [--quant FMT]   task success of MODEL as served (quantized) on vLLM
 
 Overrides use Hydra's grammar: `loop run conf/agent_rl.yaml bootstrap.sft.lr=5e-4`.
 """
@@ -25,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (("run", "run the loop"), ("bootstrap", "build the base model"),
                         ("config", "print the resolved config"), ("ui", "open the MLflow UI"),
-                        ("serve", "serve the model over the OpenAI API, traced")):
+                        ("serve", "serve the model over the OpenAI API, traced"),
+                        ("eval", "task success of a checkpoint as served (loop eval -h)")):
         sp = sub.add_parser(name, help=help_)
         sp.add_argument("config", help="a YAML file under conf/")
         sp.add_argument("overrides", nargs="*", help="Hydra-style overrides: key.sub=value")
@@ -35,6 +37,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["eval"]:  # its own flags: loop/evaluate.py
+        from loop.evaluate import main as evaluate
+
+        return evaluate(argv[1:])
     args = _parser().parse_args(argv)
     from loop.config import load_config
 

@@ -39,6 +39,8 @@ class LoopConfig:
     def __post_init__(self):
         if not self.run_dir:
             raise ValueError("run_dir must not be empty")
+        if self.serve.trace_root == ServeConfig.trace_root:  # not set: the run's own, beside its datasets
+            self.serve.trace_root = str(Path(self.run_dir) / "data")
 
     @property
     def tracking_uri(self) -> str:

@@ -1,7 +1,7 @@
 """Task success of a checkpoint *as served*: quantized in the serving format (as `loop serve`
 would: loop.serving.resolve), run on the vLLM engine, on the task's eval split.
 
-    loop eval CONFIG MODEL [--quant auto|w4a16|w8a8|none] [--temperature 1.0] [key=value ...]
+    loop eval CONFIG MODEL [key=value ...] [--quant auto|w4a16|w8a8|none] [--temperature 1.0 0]
 
 Each evaluation runs its engine in a child process (`served_success`), so one process can compare
 many checkpoints and formats without engines piling up in it.

@@ -46,6 +46,9 @@ def ensure_ray(cfg: RayConfig) -> float:
     kwargs = {"include_dashboard": cfg.dashboard, "configure_logging": False, "log_to_driver": True}
     if cfg.address is None:
         kwargs |= {"object_store_memory": cfg.object_store_mb << 20, "num_cpus": cfg.num_cpus or os.cpu_count()}
+        if not cfg.dashboard:  # Ray Train's placement-group cleaner asks the state API (served by the
+            # dashboard) every second and warns each time it cannot: keep Ray's own loggers to errors
+            kwargs["logging_config"] = ray.LoggingConfig(log_level="ERROR")
     ray.init(address=cfg.address, **kwargs)
     return time.perf_counter() - t0
 

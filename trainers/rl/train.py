@@ -61,7 +61,7 @@ def prepare_policy(parent: str, rl: RLConfig, spec: dict | None):
     """The model to train: the parent's weights in `rl.dtype`, QAT-prepared with `spec` when `rl.qat`."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(parent, torch_dtype=getattr(torch, rl.dtype))
+    model = AutoModelForCausalLM.from_pretrained(parent, dtype=getattr(torch, rl.dtype))
     if rl.qat:
         from kernels import QuantSpec
         from trainers.qat import quantize_
