@@ -28,8 +28,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dataset")
     ap.add_argument("--config", default=str(REPO / "conf" / "agent_rl.yaml"))
+    ap.add_argument("--qat", help="a checkpoint already trained with QAT (skips training it)")
+    ap.add_argument("--no-qat", help="a checkpoint already trained without QAT")
     ap.add_argument("overrides", nargs="*")
-    a = ap.parse_args()
+    a = ap.parse_intermixed_args()
     from loop.bootstrap import bootstrap
     from loop.config import load_config
     from loop.evaluate import served_success
@@ -51,6 +53,9 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="fw-efficacy-"))
     models, train_s = {"base": base}, {}
     for name, qat in (("qat", True), ("no_qat", False)):
+        if getattr(a, name):
+            models[name] = getattr(a, name)
+            continue
         t0 = time.perf_counter()
         ckpt = run_training(TrainJob(base, a.dataset, str(tmp / name), dataclasses.replace(cfg.trainer, qat=qat), spec),
                             cfg.ray)
@@ -72,8 +77,9 @@ def main() -> None:
     for f in formats:
         b, q, n = table[(f, "base")], table[(f, "qat")], table[(f, "no_qat")]
         print(f"{f:>10} | {b:6.1%} | {q:6.1%} | {n:6.1%} | {100 * (q - b):+.1f} points")
-    print(f"train phase (QAT through {fmt}): {train_s['qat']['wall_s']:.0f} s wall, "
-          f"{train_s['qat']['step_s']:.0f} s in {train_s['qat']['steps']} optimizer steps")
+    if "qat" in train_s:
+        print(f"train phase (QAT through {fmt}): {train_s['qat']['wall_s']:.0f} s wall, "
+              f"{train_s['qat']['step_s']:.0f} s in {train_s['qat']['steps']} optimizer steps")
 
 
 if __name__ == "__main__":

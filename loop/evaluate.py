@@ -43,12 +43,13 @@ def evaluate_here(cfg, model: str, quant: str, temperatures: tuple[float, ...] =
 def served_success(config: str, model: str, quant: str, overrides: list[str] = (),
                    temperatures: tuple[float, ...] = (1.0,)) -> dict:
     """`evaluate_here` in a child process (its engine goes when it exits)."""
-    cmd = [sys.executable, "-m", "loop.evaluate", config, str(model), "--quant", quant,
-           "--temperature", *map(str, temperatures), "--json", *overrides]
+    cmd = [sys.executable, "-m", "loop.evaluate", config, str(model), *overrides, "--quant", quant,
+           "--temperature", *map(str, temperatures), "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"evaluation of {model} ({quant}) failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"model"')]  # vLLM logs to stdout too
+    return json.loads(lines[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quant", default="auto")
     p.add_argument("--temperature", type=float, nargs="+", default=[1.0])
     p.add_argument("--json", action="store_true", help="print only the result as one JSON line")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)
     try:
         cfg = load_config(a.config, a.overrides)
         result = evaluate_here(cfg, a.model, a.quant, tuple(a.temperature))

@@ -48,6 +48,8 @@ def resolve(cfg, model: str, caps: Capabilities | None = None) -> Served:
     """`cfg` is the LoopConfig; `model` the folder `serve.model` names (or the bootstrap's base)."""
     from rollout.server.tracing import quant_format
 
+    if not (Path(model) / "config.json").is_file():
+        raise ConfigError(f"serve.model: {model} is not a Hugging Face folder (no config.json)")
     caps = caps or detect()
     quant, has = cfg.serve.quant, serving_format(quant_format(model))
     if has != "none":  # an already quantized folder serves in its own format

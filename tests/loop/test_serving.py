@@ -55,6 +55,8 @@ def test_config_mistakes_name_their_key(tiny_base, w4a16_folder, tmp_path):
     with pytest.raises(ConfigError, match=r"serve.dtype: float32 cannot serve w4a16"):
         resolve(_cfg(tmp_path, "serve.dtype=float32"), tiny_base.path, AVX512)
     assert resolve(_cfg(tmp_path, "serve.dtype=float16"), tiny_base.path, AVX512).dtype == "float16"
+    with pytest.raises(ConfigError, match="serve.model: .* is not a Hugging Face folder"):
+        resolve(_cfg(tmp_path), str(tmp_path / "nowhere"), AVX512)
 
 
 def test_capabilities_per_build():
