@@ -79,3 +79,24 @@ def test_loop_run_bootstraps_collects_builds_the_dataset_and_trains(tiny_base, t
     for key in ("train/mismatch/train_vs_behaviour", "train/is/mean", "train/grad_norm", "train/tokens_per_s"):
         assert len(client.get_metric_history(train.info.run_id, key)) == steps, key
     assert {a.path for a in client.list_artifacts(train.info.run_id, "plots")} >= {"plots/loss.png"}
+
+
+@pytest.mark.slow
+def test_loop_eval_measures_the_served_checkpoint(tiny_base, tiny_cfg, tiny_llm, tiny_tokenizer, tmp_path):
+    """Greedy success through `loop eval` (its own engine, a child process) is the shared engine's
+    on the same eval split (up to a problem or two: vLLM's CPU batches are not bit-invariant)."""
+    from loop.evaluate import served_success
+    from rollout.engine import vllm_generate
+    from rollout.episode import run_episodes, success_rate
+    from rollout.task import make_problems
+
+    problems = make_problems("eval", tiny_cfg.task.num_eval_problems, tiny_cfg.task.seed)
+    here = success_rate(run_episodes(problems, tiny_tokenizer, vllm_generate(tiny_llm), temperature=0.0))
+
+    r = served_success("conf/tiny.yaml", tiny_base.path, "none", [f"bootstrap.cache_dir={tiny_cfg.bootstrap.cache_dir}",
+                                                                  f"run_dir={tmp_path}"], temperatures=(0.0,))
+    assert r["fmt"] == "none" and r["num_problems"] == len(problems)
+    assert abs(r["T=0.0"] - here) <= 2 / len(problems), (r, here)
+    out = subprocess.run([sys.executable, "-m", "loop.cli", "eval", "conf/tiny.yaml", str(tmp_path / "nowhere")],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "is not a Hugging Face folder" in out.stderr
