@@ -88,6 +88,7 @@ async def pause_under_load(url: str, token: str, path: str | None, mode: str, co
     return {"mode": mode, "load_probe_p50_s": statistics.median(before), "swap_max_probe_s": max(during),
             "control_max_probe_s": control, "probe_ratio": max(during) / control,
             "pause_s": rep["pause_s"], "load_s": rep["load_s"], "pause_over_load": rep["pause_s"] / rep["load_s"],
+            "canary_s": rep["canary_s"],  # after the resume ("keep"): its prefill competes with the traffic
             "kept_in_flight": rep.get("kept_in_flight", 0), "failed_requests": len(failures)}
 
 
@@ -113,7 +114,7 @@ def measure(url: str, token: str, paths: list[str], concurrency: int, swaps: int
         out[mode].append(asyncio.run(pause_under_load(url, token, paths[i % len(paths)], mode, concurrency)))
     med = lambda runs, k: statistics.median(x[k] for x in runs)  # noqa: E731
     return {mode: {**{k + "_median": med(runs, k) for k in ("pause_s", "load_s", "pause_over_load", "probe_ratio",
-                                                           "swap_max_probe_s", "control_max_probe_s")},
+                                                           "swap_max_probe_s", "control_max_probe_s", "canary_s")},
                    "failed_requests": sum(x["failed_requests"] for x in runs), "runs": runs}
             for mode, runs in out.items()}
 
@@ -149,7 +150,7 @@ def report_line(mode: str, m: dict) -> str:
     return (f"{mode:>13}: server held new requests {m['pause_s_median']:.3f} s for a {m['load_s_median']:.3f} s "
             f"weight load: {m['pause_over_load_median']:.2f}x | slowest probe {m['swap_max_probe_s_median']:.3f} s "
             f"vs {m['control_max_probe_s_median']:.3f} s without a swap: {m['probe_ratio_median']:.2f}x "
-            f"| failed requests {m['failed_requests']}")
+            f"| canary {m['canary_s_median']:.3f} s | failed requests {m['failed_requests']}")
 
 
 if __name__ == "__main__":

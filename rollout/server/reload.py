@@ -12,6 +12,19 @@ from pathlib import Path
 from rollout import cpu_placement
 
 
+async def freeze(inner, clear_cache: bool) -> None:
+    """vLLM 0.32's `AsyncLLM.pause_generation(mode="keep", clear_cache=...)` without its trailing
+    `asyncio.sleep(0.02)`, which vLLM keeps "not for correctness, just more intuitive ordering"
+    of outputs: the engine core labels each step's outputs with its weight version, so no token is
+    mislabelled, and 20 ms is as long as the reload itself (bench/swap_pause.py)."""
+    if not hasattr(inner, "engine_core") or not hasattr(inner, "renderer"):  # another engine: its own pause
+        await inner.pause_generation(mode="keep", clear_cache=clear_cache)
+        return
+    if clear_cache:
+        await inner.renderer.clear_mm_cache_async()
+    await inner.engine_core.pause_scheduler_async(mode="keep", clear_cache=clear_cache)
+
+
 async def start_engine(args, path: str):
     """A second `AsyncLLM` on `path` with the serving engine's arguments (built in a thread: the
     start takes seconds and must not stall the event loop that serves the running engine)."""

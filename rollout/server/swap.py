@@ -39,7 +39,7 @@ from pathlib import Path
 from pipelines.artifacts import checkpoint_sha256, file_sha256, manifest_files
 from rollout.capabilities import detect, serving_format
 from rollout.server.engine import TracingEngine, WeightState
-from rollout.server.reload import reference_logprobs, reload_in_place, retire_engine, start_engine
+from rollout.server.reload import freeze, reference_logprobs, reload_in_place, retire_engine, start_engine
 from rollout.server.tracing import quant_format, stack_fingerprint
 
 log = logging.getLogger("flywheel.server")
@@ -237,7 +237,7 @@ class HotSwapper:
         kept = eng.gate.in_flight
         t0 = time.perf_counter()
         try:
-            await inner.pause_generation(mode="keep", clear_cache=clear_cache)
+            await freeze(inner, clear_cache)
             t1 = time.perf_counter()
             await reload_in_place(inner, path, draft_path, reset_cache=False)
             await inner.update_weight_version(str(new.version))
@@ -255,7 +255,7 @@ class HotSwapper:
                               mode="keep", kept_in_flight=kept)
         except Exception as e:
             try:
-                await inner.pause_generation(mode="keep", clear_cache=True)
+                await freeze(inner, clear_cache=True)
                 await inner.update_weight_version(str(old.version))
                 restored = await self._restore(old, old_expected, draft_changed=draft_path is not None, resume=True)
             except Exception as e2:
