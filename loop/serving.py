@@ -78,11 +78,11 @@ def resolve(cfg, model: str, caps: Capabilities | None = None) -> Served:
 
 def quantized_for_serving(model: str, fmt: str, group_size: int, dtype: str, cache_dir: str) -> str:
     from pipelines.quantize import MANIFEST_NAME, quantize_checkpoint
-    from pipelines.artifacts import checkpoint_sha256
+    from pipelines.artifacts import folder_sha256
 
     spec = serving_spec(fmt, group_size, "float16" if dtype == "float16" else "bfloat16")
     tag = f"{fmt}-g{group_size}-{spec.scale_dtype}" if fmt == "w4a16" else fmt
-    dst = Path(cache_dir) / f"served-{tag}-{checkpoint_sha256(model)[:16]}"
+    dst = Path(cache_dir) / f"served-{tag}-{folder_sha256(model)[:16]}"  # tokenizer files count too
     if not (dst / MANIFEST_NAME).is_file():
         log.info("quantizing %s as %s for serving -> %s", model, fmt, dst)
         quantize_checkpoint(model, dst, spec, parent=str(model), overwrite=dst.exists())

@@ -32,6 +32,14 @@ def checkpoint_sha256(folder: str | Path) -> str:
     return hashlib.sha256("".join(f"{p.name}:{file_sha256(p)}\n" for p in files).encode()).hexdigest()
 
 
+def folder_sha256(folder: str | Path) -> str:
+    """One hash for everything a folder serves with (weights, config, tokenizer files), its
+    manifest aside: what a cache keyed on a checkpoint must change with."""
+    files = sorted(p for p in Path(folder).rglob("*") if p.is_file() and p.name != MANIFEST)
+    rel = [p.relative_to(folder).as_posix() for p in files]
+    return hashlib.sha256("".join(f"{r}:{file_sha256(p)}\n" for r, p in zip(rel, files)).encode()).hexdigest()
+
+
 def manifest_files(folder: str | Path) -> dict[str, str]:
     """{relative path: sha256} that the folder's manifest records ({} without a manifest): the
     base model's `files_sha256`, or the `files` of the other kinds."""

@@ -41,6 +41,19 @@ def test_auto_quantizes_the_base_in_the_best_format(caps, fmt, tiny_base, tmp_pa
     assert resolve(_cfg(tmp_path, "serve.quant=none"), tiny_base.path, caps).path == tiny_base.path
 
 
+def test_the_served_copy_follows_the_tokenizer_files_too(tiny_base, tmp_path):
+    """A checkpoint whose weights stay but whose tokenizer files change is served from a new copy
+    (a trained checkpoint once lacked tokenizer_config.json and its stale copy kept serving)."""
+    import shutil
+
+    src = tmp_path / "model"
+    shutil.copytree(tiny_base.path, src)
+    first = resolve(_cfg(tmp_path / "cache"), str(src), AVX512).path
+    (src / "tokenizer_config.json").write_text((src / "tokenizer_config.json").read_text().replace("{", '{"x": 1, ', 1))
+    second = resolve(_cfg(tmp_path / "cache"), str(src), AVX512).path
+    assert first != second and (Path(second) / "tokenizer_config.json").read_text().startswith('{"x": 1')
+
+
 def test_avx2_refuses_w4a16_by_the_key_that_asked(tiny_base, w4a16_folder, tmp_path):
     with pytest.raises(ConfigError, match=r"serve.quant: w4a16 cannot be served on this machine: .*_C_AVX2.*cpu_gemm_wna16"):
         resolve(_cfg(tmp_path, "serve.quant=w4a16"), tiny_base.path, AVX2)
