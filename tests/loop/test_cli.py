@@ -28,15 +28,16 @@ def test_loop_run_bootstraps_collects_builds_the_dataset_and_trains(tiny_base, t
     out = subprocess.run(
         [sys.executable, "-m", "loop.cli", "run", "conf/tiny.yaml", f"bootstrap.cache_dir={cache}",
          f"run_dir={run_dir}", f"serve.trace_root={tmp_path / 'data'}", "collect.num_problems=4",
-         "collect.rollout.group_size=4", "collect.rollout.max_tokens=32",
-         # groups hash their collection round (a fresh run id): split 16 episodes, not 4 groups, so
-         # both sides are non-empty but for a ~0.66^16 (0.1%) chance
-         "dataset.heldout_unit=episode", "dataset.heldout_fraction=0.34"],
+         "collect.rollout.group_size=8", "collect.rollout.max_tokens=32",
+         # groups hash their collection round (a fresh run id): split 32 episodes, not 4 groups, so
+         # both sides are non-empty but for a 0.75^32 (1e-4) chance; ~6 train episodes a group at
+         # the tiny model's ~75% tool-call rate leave all 4 groups without signal ~0.1% of runs
+         "dataset.heldout_unit=episode", "dataset.heldout_fraction=0.25"],
         capture_output=True, text=True, timeout=900,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"base model {tiny_base.path}" in out.stdout
-    assert "collected 16 episodes (16 ok)" in out.stdout, out.stdout[-2000:]
+    assert "collected 32 episodes (32 ok)" in out.stdout, out.stdout[-2000:]
     client = mlflow.tracking.MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     exp = client.get_experiment_by_name(tiny_cfg.mlflow.experiment)
     runs = {r.data.tags["phase"]: r for r in client.search_runs([exp.experiment_id])}
@@ -50,20 +51,20 @@ def test_loop_run_bootstraps_collects_builds_the_dataset_and_trains(tiny_base, t
 
     col = runs["collect"]
     m = col.data.metrics
-    assert m["collect/episodes"] == 16 and m["collect/episodes_ok"] == 16 and m["collect/episodes_per_s"] > 0
+    assert m["collect/episodes"] == 32 and m["collect/episodes_ok"] == 32 and m["collect/episodes_per_s"] > 0
     # every collected episode came back from the server's traces into the dataset, none dropped
-    assert m["dataset/train_episodes"] + m["dataset/heldout_episodes"] == 16
+    assert m["dataset/train_episodes"] + m["dataset/heldout_episodes"] == 32
     assert m["dataset/heldout_episodes"] > 0 and m["dataset/train_episodes"] > 0
     assert not any(v for k, v in m.items() if k.startswith("dataset/dropped"))
     assert {a.path for a in client.list_artifacts(col.info.run_id, "plots")} == {"plots/group_success.png"}
     manifest = json.loads(mlflow.artifacts.load_text(f"{col.info.artifact_uri}/dataset_manifest.json"))
     collected = json.loads(mlflow.artifacts.load_text(f"{col.info.artifact_uri}/collect_manifest.json"))
     assert manifest["path"] == col.data.tags["dataset_path"] and manifest["parent"]["weight_versions"] == [0]
-    assert sum(collected["group_successes"]) == round(16 * collected["success"])
+    assert sum(collected["group_successes"]) == round(32 * collected["success"])
     rows = [r for split in ("train", "heldout") for f in sorted((run_dir / "datasets").glob(f"*/{split}/*.parquet"))
             for r in pq.read_table(f, columns=["episode_id", "group_id", "reward"]).to_pylist()]
     assert sorted(r["episode_id"] for r in rows) == sorted(f"{collected['run_id']}-{g}-{s}"
-                                                            for g in range(4) for s in range(4))
+                                                            for g in range(4) for s in range(8))
     assert len({r["group_id"] for r in rows}) == 4
     # conf/tiny.yaml scores with the shaped reward: 1 for a right answer, 0.2 for the tool call alone
     assert sum(r["reward"] == 1.0 for r in rows) == sum(collected["group_successes"])

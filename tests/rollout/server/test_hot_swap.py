@@ -33,16 +33,21 @@ def _greedy(url: str, tokenizer) -> list[list[int]]:
 
 
 class StreamingLoad:
-    """`n` threads sending streamed chat requests back to back until stopped."""
+    """`n` threads sending streamed chat requests back to back until stopped. With `stagger_s`,
+    thread i starts i * stagger_s late and asks for i * 16 more tokens, so the streams never
+    restart in step (a swap that lands as all of them restart finds none mid-way)."""
 
-    def __init__(self, url: str, n: int = 6, max_tokens: int = 32):
+    def __init__(self, url: str, n: int = 6, max_tokens: int = 32, stagger_s: float = 0.0):
         self.url, self.results, self._stop, self.max_tokens = url, [], threading.Event(), max_tokens
+        self.stagger_s = stagger_s
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(n)]
 
     def _run(self, i: int) -> None:
+        self._stop.wait(i * self.stagger_s)
         while not self._stop.is_set():
             body = {"model": "flywheel", "messages": chat_messages(PROMPTS[i % 2]), "stream": True,
-                    "max_tokens": self.max_tokens, "temperature": 1.0, "ignore_eos": True}
+                    "max_tokens": self.max_tokens + (16 * i if self.stagger_s else 0), "temperature": 1.0,
+                    "ignore_eos": True}
             try:
                 with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=120) as r:
                     raw = r.read().decode()
@@ -153,8 +158,17 @@ def test_keep_swap_resumes_in_flight_streams_on_the_new_weights(srv_main, tiny_b
     new = perturbed_copy(tiny_base.path, tmp_path_factory.mktemp("keep") / "fp2")
     before = _greedy(srv_main.url, tiny_tokenizer)
     v0 = srv_main.admin("GET", "/admin/status").json()["weight_version"]
-    with StreamingLoad(srv_main.url, n=6, max_tokens=256) as load:  # long streams: some are mid-way
-        time.sleep(2)
+    try:
+        _keep_swap_and_check(srv_main, new, v0, before, tiny_tokenizer)
+    finally:  # whatever failed, the shared server goes back to the base for the tests after this one
+        back = srv_main.admin("POST", "/admin/weights", json={"path": tiny_base.path, "mode": "keep"})
+    assert back.status_code == 200 and back.json()["weight_version"] == v0 + 2
+    assert _greedy(srv_main.url, tiny_tokenizer) == before  # the recomputed KV holds nothing of v0 + 1
+
+
+def _keep_swap_and_check(srv_main, new, v0: int, before, tiny_tokenizer) -> None:
+    with StreamingLoad(srv_main.url, n=6, max_tokens=256, stagger_s=0.25) as load:  # long streams: some mid-way
+        time.sleep(2.5)
         r = srv_main.admin("POST", "/admin/weights", json={"path": str(new), "mode": "keep"})
         time.sleep(2)
     assert r.status_code == 200, r.text
@@ -172,7 +186,3 @@ def test_keep_swap_resumes_in_flight_streams_on_the_new_weights(srv_main, tiny_b
     # streams that were generating when the engine paused: resumed, not drained
     assert any(set(r["completion_weight_versions"]) == {v0, v0 + 1} for r in relabelled), len(relabelled)
     assert _greedy(srv_main.url, tiny_tokenizer) != before
-
-    back = srv_main.admin("POST", "/admin/weights", json={"path": tiny_base.path, "mode": "keep"})
-    assert back.status_code == 200 and back.json()["weight_version"] == v0 + 2
-    assert _greedy(srv_main.url, tiny_tokenizer) == before  # the recomputed KV holds nothing of v0 + 1
