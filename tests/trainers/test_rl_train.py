@@ -120,3 +120,19 @@ def test_same_seed_same_weights_and_bfloat16_trains(tiny_base, rl_dataset, tmp_p
                         SPEC.to_dict()))
     w = load_file(str(Path(bf.path) / "model.safetensors"))
     assert all(t.dtype == torch.bfloat16 for t in w.values()) and bf.history[0]["loss"] == bf.history[0]["loss"]
+
+
+def test_a_dataset_without_signal_is_refused_as_such(tiny_base, dataset_copy, tmp_path):
+    """All rewards equal in every group: nothing to learn; the loop ends the cycle on NoSignal."""
+    from trainers.rl.data import NoSignal
+
+    part = next((dataset_copy / "train").glob("*.parquet"))
+    t = pq.read_table(part)
+    t = t.set_column(t.schema.get_field_index("reward"), t.schema.field("reward"), pa.array([0.5] * t.num_rows))
+    pq.write_table(t, part)
+    manifest = json.loads((dataset_copy / MANIFEST).read_text())
+    manifest["files"][f"train/{part.name}"] = file_sha256(part)
+    (dataset_copy / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(NoSignal, match="all equal"):
+        train(TrainJob(tiny_base.path, str(dataset_copy), str(tmp_path / "never"), RLConfig(**FAST), SPEC.to_dict()))
+    assert not (tmp_path / "never").exists()
