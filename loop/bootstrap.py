@@ -141,18 +141,15 @@ def evaluate_with_vllm(manifest: BaseModelManifest, task: TaskConfig, engine_cfg
     manifest. Pass a running `llm` to reuse an engine."""
     from transformers import AutoTokenizer
 
-    from rollout.engine import make_llm, vllm_generate
-    from rollout.episode import run_episodes, success_rate
-    from rollout.task import make_problems
+    from loop.evaluate import eval_success
+    from rollout.engine import make_llm
 
-    problems = make_problems("eval", task.num_eval_problems, task.seed)
     llm = llm or make_llm(manifest.path, engine_cfg)
     tokenizer = AutoTokenizer.from_pretrained(manifest.path)
-    gen = vllm_generate(llm)
-    result = {"num_problems": len(problems)}
+    result = {"num_problems": task.num_eval_problems}
     for name, temperature in (("vllm_greedy", 0.0), ("vllm_t1", 1.0)):
         t0 = time.perf_counter()
-        result[name] = success_rate(run_episodes(problems, tokenizer, gen, temperature=temperature))
+        result[name] = eval_success(llm, tokenizer, task, temperature)
         result[name + "_seconds"] = round(time.perf_counter() - t0, 2)
     manifest.eval = result
     if Path(manifest.path, MANIFEST).is_file():

@@ -16,26 +16,32 @@ import sys
 import time
 
 
-def evaluate_here(cfg, model: str, quant: str, temperatures: tuple[float, ...] = (1.0,)) -> dict:
-    """In this process: {"fmt", "path", "T=<t>": success, "seconds", "num_problems"}."""
-    from transformers import AutoTokenizer
-
-    from loop.serving import engine_for, resolve
-    from rollout.engine import make_llm, vllm_generate
+def eval_success(llm, tokenizer, task, temperature: float) -> float:
+    """Success on the task's eval split (`task.num_eval_problems`, `task.seed`) through `llm`."""
+    from rollout.engine import vllm_generate
     from rollout.episode import run_episodes, success_rate
     from rollout.task import make_problems
 
+    problems = make_problems("eval", task.num_eval_problems, task.seed)
+    return success_rate(run_episodes(problems, tokenizer, vllm_generate(llm), temperature=temperature))
+
+
+def evaluate_here(cfg, model: str, quant: str, temperatures: tuple[float, ...] = (1.0,)) -> dict:
+    """In this process: {"fmt", "served_path", "T=<t>": success, "seconds", "num_problems", ...}."""
+    from transformers import AutoTokenizer
+
+    from loop.serving import engine_for, resolve
+    from rollout.engine import make_llm
+
     cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, quant=quant))
     served = resolve(cfg, model)
-    problems = make_problems("eval", cfg.task.num_eval_problems, cfg.task.seed)
     t0 = time.perf_counter()
     llm = make_llm(served.path, engine_for(cfg, served))
     out = {"model": str(model), "fmt": served.fmt, "served_path": served.path, "dtype": served.dtype,
-           "num_problems": len(problems), "kernel_build": served.caps.kernel_build}
+           "num_problems": cfg.task.num_eval_problems, "kernel_build": served.caps.kernel_build}
     tokenizer = AutoTokenizer.from_pretrained(served.path)
     for t in temperatures:
-        out[f"T={t}"] = success_rate(run_episodes(problems, tokenizer, vllm_generate(llm),
-                                                  temperature=t))
+        out[f"T={t}"] = eval_success(llm, tokenizer, cfg.task, t)
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
 
