@@ -39,7 +39,7 @@ class StreamingLoad:
 
     def __init__(self, url: str, n: int = 6, max_tokens: int = 32, stagger_s: float = 0.0):
         self.url, self.results, self._stop, self.max_tokens = url, [], threading.Event(), max_tokens
-        self.stagger_s = stagger_s
+        self.stagger_s, self.streaming = stagger_s, threading.Event()
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(n)]
 
     def _run(self, i: int) -> None:
@@ -50,7 +50,12 @@ class StreamingLoad:
                     "ignore_eos": True}
             try:
                 with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=120) as r:
-                    raw = r.read().decode()
+                    lines = []
+                    for line in r.iter_lines():
+                        lines.append(line)
+                        if len(lines) > 8 and line.startswith("data: {"):
+                            self.streaming.set()  # a stream is mid-way: tokens came, more will
+                    raw = "\n".join(lines)
                     self.results.append((r.status_code, r.headers.get("x-flywheel-trace-id"),
                                          int(r.headers.get("x-flywheel-weight-version", -1)),
                                          raw.rstrip().endswith("data: [DONE]"), raw))
@@ -168,7 +173,7 @@ def test_keep_swap_resumes_in_flight_streams_on_the_new_weights(srv_main, tiny_b
 
 def _keep_swap_and_check(srv_main, new, v0: int, before, tiny_tokenizer) -> None:
     with StreamingLoad(srv_main.url, n=6, max_tokens=256, stagger_s=0.25) as load:  # long streams: some mid-way
-        time.sleep(2.5)
+        assert load.streaming.wait(60), "no stream got going"
         r = srv_main.admin("POST", "/admin/weights", json={"path": str(new), "mode": "keep"})
         time.sleep(2)
     assert r.status_code == 200, r.text
@@ -184,5 +189,8 @@ def _keep_swap_and_check(srv_main, new, v0: int, before, tiny_tokenizer) -> None
         assert row["weight_version"] == v0 and len(versions) == len(row["completion_token_ids"])
         assert versions == sorted(versions) and set(versions) <= {v0, v0 + 1} and versions[-1] == v0 + 1
     # streams that were generating when the engine paused: resumed, not drained
-    assert any(set(r["completion_weight_versions"]) == {v0, v0 + 1} for r in relabelled), len(relabelled)
+    assert any(set(r["completion_weight_versions"]) == {v0, v0 + 1} for r in relabelled), [
+        (r["created_at"], r["ttft_ms"], r["e2e_ms"], len(r["completion_token_ids"]),
+         {v: r["completion_weight_versions"].count(v) for v in set(r["completion_weight_versions"])})
+        for r in relabelled] + [swap, [x[2] for x in load.results]]
     assert _greedy(srv_main.url, tiny_tokenizer) != before

@@ -24,5 +24,8 @@ def test_collect_through_an_existing_endpoint_then_build(srv_main, tiny_base, tm
     rows = [r for f in dataset.files_of("train") for r in pq.read_table(f, columns=["episode_id", "reward"]).to_pylist()
             if r["episode_id"].startswith(collected.run_id + "-")]  # the server's other traffic is in the window too
     assert sorted(r["episode_id"] for r in rows) == [f"{collected.run_id}-{g}-{s}" for g in range(2) for s in range(3)]
-    assert sum(r["reward"] for r in rows) == sum(collected.group_successes)
+    # conf/tiny.yaml scores with the shaped reward (1 right answer, 0.2 the tool call alone), not the
+    # collector's exact-reward feedback: the right answers are still the collector's successes
+    assert sum(r["reward"] == 1.0 for r in rows) == sum(collected.group_successes)
+    assert {r["reward"] for r in rows} <= {0.0, 0.2, 1.0}
     assert dataset.heldout_episodes == 0 and dataset.parent.weight_versions == collected.weight_versions
