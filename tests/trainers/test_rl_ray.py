@@ -4,6 +4,7 @@ back to the caller; a bad dataset fails in the caller before any worker starts."
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -35,8 +36,9 @@ def ray_runtime():
 def test_two_ray_workers_equal_one_process(ray_runtime, tiny_base, rl_dataset, tmp_path):
     torch.set_num_threads(1)  # the same kernels as the workers': comparable float sums
     reports = []
-    two = run_training(TrainJob(tiny_base.path, rl_dataset.path, str(tmp_path / "two"), RLConfig(num_workers=2, **RUN),
-                                SPEC), RayConfig(), report=lambda s, m: reports.append(s))
+    rel = os.path.relpath  # paths relative to this process's directory (the loop's default run_dir is)
+    two = run_training(TrainJob(rel(tiny_base.path), rel(rl_dataset.path), rel(tmp_path / "two"),
+                                RLConfig(num_workers=2, **RUN), SPEC), RayConfig(), report=lambda s, m: reports.append(s))
     one = run_training(TrainJob(tiny_base.path, rl_dataset.path, str(tmp_path / "one"), RLConfig(num_workers=0, **RUN),
                                 SPEC), RayConfig())
     assert two.world_size == 2 and two.metrics["ranks_max_param_diff"] == 0.0

@@ -56,6 +56,7 @@ def ensure_ray(cfg: RayConfig) -> float:
 def run_training(job: TrainJob, ray_cfg: RayConfig, report: Callable[[int, dict], None] = lambda s, m: None
                  ) -> PolicyCheckpoint:
     """Train on Ray (or in this process when `num_workers` is 0); the checkpoint's manifest."""
+    job = job.absolute()
     job.check()  # fail here, before any worker starts
     rl = job.rl
     load_episodes(check_dataset(job.dataset), rl.adv_estimator, rl.norm_adv_by_std, rl.min_group_size)

@@ -19,7 +19,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -46,6 +46,11 @@ class TrainJob:
     out_dir: str  # the checkpoint folder to create (must not exist)
     rl: RLConfig
     spec: dict | None = None  # the serving QuantSpec (to_dict()); QAT trains through it when rl.qat
+
+    def absolute(self) -> "TrainJob":
+        """The job with absolute paths: a Ray worker runs in a directory of its own."""
+        return replace(self, parent=str(Path(self.parent).resolve()), dataset=str(Path(self.dataset).resolve()),
+                       out_dir=str(Path(self.out_dir).resolve()))
 
     def check(self) -> None:
         if Path(self.out_dir).exists():
