@@ -50,12 +50,11 @@ class StreamingLoad:
                     "ignore_eos": True}
             try:
                 with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=120) as r:
-                    lines = []
-                    for line in r.iter_lines():
-                        lines.append(line)
-                        if len(lines) > 8 and line.startswith("data: {"):
+                    raw = ""
+                    for chunk in r.iter_text():  # not iter_lines: a token can be U+2028 or \x85, which it splits on
+                        raw += chunk
+                        if not self.streaming.is_set() and raw.count("data: {") > 4:
                             self.streaming.set()  # a stream is mid-way: tokens came, more will
-                    raw = "\n".join(lines)
                     self.results.append((r.status_code, r.headers.get("x-flywheel-trace-id"),
                                          int(r.headers.get("x-flywheel-weight-version", -1)),
                                          raw.rstrip().endswith("data: [DONE]"), raw))
