@@ -6,6 +6,8 @@
     loop serve CONFIG [key=value ...]      serve the model (serve.model, else the base) over HTTP
     loop config CONFIG [key=value ...]     print the resolved config
     loop eval CONFIG MODEL [--quant FMT]   task success of MODEL as served (quantized) on vLLM
+    loop validate CONFIG SERVING CANDIDATE the KL gate between two checkpoints (loop/manual.py)
+    loop rollback CONFIG [--endpoint URL]  the registry's `previous` version back on the server
 
 Overrides use Hydra's grammar: `loop run conf/agent_rl.yaml bootstrap.sft.lr=5e-4`.
 """
@@ -27,7 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     for name, help_ in (("run", "run the loop"), ("bootstrap", "build the base model"),
                         ("config", "print the resolved config"), ("ui", "open the MLflow UI"),
                         ("serve", "serve the model over the OpenAI API, traced"),
-                        ("eval", "task success of a checkpoint as served (loop eval -h)")):
+                        ("eval", "task success of a checkpoint as served (loop eval -h)"),
+                        ("validate", "the KL gate between two checkpoints (loop validate -h)"),
+                        ("rollback", "put the registry's previous version back (loop rollback -h)")):
         sp = sub.add_parser(name, help=help_)
         sp.add_argument("config", help="a YAML file under conf/")
         sp.add_argument("overrides", nargs="*", help="Hydra-style overrides: key.sub=value")
@@ -42,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         from loop.evaluate import main as evaluate
 
         return evaluate(argv[1:])
+    if argv[:1] in (["validate"], ["rollback"]):  # their own flags: loop/manual.py
+        from loop.manual import rollback_main, validate_main
+
+        return (validate_main if argv[0] == "validate" else rollback_main)(argv[1:])
     args = _parser().parse_args(argv)
     from loop.config import load_config
 

@@ -1,7 +1,8 @@
 """The loop's `collect` and `build_dataset` phases: traffic through the endpoint -> an RL dataset.
 
-    collect:       serve the policy (`loop serve` in a child process, or `collect.endpoint`), play
-                   `num_problems` x `rollout.group_size` calculator episodes through it over HTTP
+    collect:       through the cycle's endpoint (`loop serve` in a child process, or
+                   `collect.endpoint`), play `num_problems` x `rollout.group_size` calculator
+                   episodes over HTTP
                    (rollout/collector.py); the server traces every request and the rewards
                    arrive as feedback. -> CollectManifest
     build_dataset: the traces of the window the collection wrote (its UTC dates and the weight
@@ -13,7 +14,7 @@
 from __future__ import annotations
 
 import uuid
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -97,35 +98,50 @@ def _utc_date() -> str:
     return datetime.now(timezone.utc).date().isoformat()
 
 
-def collect_phase(cfg, model: str | Path, run_dir: Path) -> CollectManifest:
-    """Play the episodes through `cfg.collect.endpoint`, or through a `loop serve` of `model` on
-    this very config, started for it (<run_dir>/logs/serve-collect.{yaml,log})."""
+@dataclass(frozen=True)
+class Endpoint:
+    """The server the cycle talks to: its URL, admin token, and the child process when the loop
+    started it (None: `collect.endpoint`, someone else's)."""
+    url: str
+    admin_token: str | None
+    process: object | None = None
+
+
+@contextmanager
+def endpoint(cfg, model: str | Path, run_dir: Path):
+    """`collect.endpoint`, or a `loop serve` of `model` on this very config, started for the cycle
+    (<run_dir>/logs/serve-cycle.{yaml,log}) and stopped after it."""
+    from rollout.server.process import ServerProcess
+
+    if cfg.collect.endpoint:
+        yield Endpoint(cfg.collect.endpoint, cfg.serve.resolved_admin_token())
+        return
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    (logs / "serve-cycle.yaml").write_text(to_yaml(cfg))
+    with ServerProcess(logs / "serve-cycle.yaml", model, cfg.serve.trace_root, logs / "serve-cycle.log") as srv:
+        print(f"[loop] serving {model} at {srv.url}, traces to {cfg.serve.trace_root}", flush=True)
+        yield Endpoint(srv.url, srv.admin_token, srv)
+
+
+def collect_phase(cfg, ep: Endpoint, tokenizer_path: str | Path) -> CollectManifest:
+    """Play the episodes through the endpoint, then have its traces flushed to Parquet."""
     from transformers import AutoTokenizer
 
     from rollout.collector import collect_sync
     from rollout.cpu_placement import beside_front_end
-    from rollout.server.process import ServerProcess
     from rollout.task import make_problems
 
     c = cfg.collect
     problems = make_problems("train", c.num_problems, seed=c.problem_seed)
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
     first_date = _utc_date()
-    if c.endpoint:
-        ccfg = c.collector(c.endpoint)
+    ccfg = c.collector(ep.url)
+    # as the server's client, this process runs on its front-end cores, off the worker's
+    near = ep.process is not None and cfg.engine.reserves_front_end()
+    with beside_front_end(ep.process.proc.pid) if near else nullcontext():
         results, stats = collect_sync(problems, tokenizer, ccfg)
-        _flush(c.endpoint, cfg.serve.resolved_admin_token())
-    else:
-        logs = run_dir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        (logs / "serve-collect.yaml").write_text(to_yaml(cfg))
-        with ServerProcess(logs / "serve-collect.yaml", model, cfg.serve.trace_root, logs / "serve-collect.log") as srv:
-            print(f"[loop] serving {model} at {srv.url}, traces to {cfg.serve.trace_root}", flush=True)
-            ccfg = c.collector(srv.url)
-            # as the server's client, this process runs on its front-end cores, off the worker's
-            with beside_front_end(srv.proc.pid) if cfg.engine.reserves_front_end() else nullcontext():
-                results, stats = collect_sync(problems, tokenizer, ccfg)
-            srv.flush()
+    _flush(ep.url, ep.admin_token)
     ok = [r for r in results if r.status == "ok"]
     groups = [0] * len(problems)
     for r in ok:

@@ -11,6 +11,9 @@ from pathlib import Path
 from loop.bootstrap import BootstrapConfig, TaskConfig
 from loop.collect import CollectConfig, DatasetPhaseConfig
 from loop.configs import load
+from pipelines.promote import PromoteConfig
+from pipelines.requantize import RequantizeConfig
+from pipelines.validate import GateConfig
 from rollout.engine import EngineConfig
 from rollout.server.config import ServeConfig
 from trainers.rl.config import RLConfig
@@ -35,6 +38,9 @@ class LoopConfig:
     dataset: DatasetPhaseConfig = field(default_factory=DatasetPhaseConfig)
     trainer: RLConfig = field(default_factory=RLConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    requantize: RequantizeConfig = field(default_factory=RequantizeConfig)
+    validate: GateConfig = field(default_factory=GateConfig)
+    promote: PromoteConfig = field(default_factory=PromoteConfig)
 
     def __post_init__(self):
         if not self.run_dir:

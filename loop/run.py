@@ -2,8 +2,9 @@
 
     bootstrap -> collect -> build_dataset -> train -> requantize -> validate -> promote
 
-Each phase is a function from a typed artifact (a manifest dataclass) to the next. Phases that are
-not built yet are listed, not faked: `run` stops after the last built phase and says so.
+Each phase is a function from a typed artifact (a manifest dataclass) to the next. One server (a
+`loop serve` child, or `collect.endpoint`) serves the whole cycle: the traffic is collected from
+it and the promoted checkpoint is hot-swapped into it.
 """
 
 from __future__ import annotations
@@ -13,12 +14,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from loop.bootstrap import BaseModelManifest, bootstrap, evaluate_with_vllm
-from loop.collect import CollectManifest, collect_phase, dataset_phase, log_collect
+from loop.collect import CollectManifest, Endpoint, collect_phase, dataset_phase, endpoint, log_collect
 from loop.config import LoopConfig
+from loop.gate import promote_phase, requantize_phase, validate_phase
 from loop.train import train_phase
 from trainers.rl.data import NoSignal
-
-PHASES_NOT_YET_BUILT = ("requantize", "validate", "promote")
 
 
 @contextmanager
@@ -63,7 +63,7 @@ def bootstrap_phase(cfg: LoopConfig) -> BaseModelManifest:
     return base
 
 
-def collect_and_build(cfg: LoopConfig, base: BaseModelManifest) -> tuple[CollectManifest, object]:
+def collect_and_build(cfg: LoopConfig, base: BaseModelManifest, ep: Endpoint) -> tuple[CollectManifest, object]:
     """Traffic through the endpoint (the base model served) -> an RL dataset, one MLflow run."""
     import mlflow
 
@@ -72,7 +72,7 @@ def collect_and_build(cfg: LoopConfig, base: BaseModelManifest) -> tuple[Collect
     timings: dict = {}
     with start_run(cfg, "collect", tags={"phase": "collect", "base_key": base.key}):
         with phase("collect", timings):
-            collected = collect_phase(cfg, base.path, Path(cfg.run_dir))
+            collected = collect_phase(cfg, ep, base.path)
         print(f"[loop] collected {collected.episodes} episodes ({collected.episodes_ok} ok) in "
               f"{collected.seconds:.1f}s: {collected.episodes_per_s:.1f} episodes/s, success {collected.success:.1%}, "
               f"{collected.retries} retries", flush=True)
@@ -91,14 +91,23 @@ def collect_and_build(cfg: LoopConfig, base: BaseModelManifest) -> tuple[Collect
 
 def run(cfg: LoopConfig) -> int:
     base = bootstrap_phase(cfg)
-    _, dataset = collect_and_build(cfg, base)
+    run_dir = Path(cfg.run_dir)
     timings: dict = {}
-    try:
-        with phase("train", timings):
-            ckpt = train_phase(cfg, base.path, dataset, Path(cfg.run_dir))
-    except NoSignal as e:
-        print(f"[loop] nothing to train on, no new checkpoint this cycle: {e}", flush=True)
-        return 0
-    print(f"[loop] phases not built yet: {' -> '.join(PHASES_NOT_YET_BUILT)}; "
-          f"the trained checkpoint is ready at {ckpt.path} (its parent: {base.path})")
+    with endpoint(cfg, base.path, run_dir) as ep:
+        _, dataset = collect_and_build(cfg, base, ep)
+        try:
+            with phase("train", timings):
+                ckpt = train_phase(cfg, base.path, dataset, run_dir)
+        except NoSignal as e:
+            print(f"[loop] nothing to train on, no new checkpoint this cycle: {e}", flush=True)
+            return 0
+        with phase("requantize", timings):
+            candidate = requantize_phase(cfg, ckpt, dataset.path, run_dir)
+        with phase("validate", timings):
+            gate, version, registry, server = validate_phase(cfg, candidate, ep, run_dir)
+        with phase("promote", timings):
+            outcome = promote_phase(cfg, gate, version, registry, server)
+    path_s = sum(timings[k] for k in ("requantize", "validate", "promote"))
+    print(f"[loop] cycle done: {outcome.status} (registry v{outcome.version}); requantize -> validate -> promote "
+          f"took {path_s:.1f}s ({', '.join(f'{k} {v:.1f}s' for k, v in timings.items())})", flush=True)
     return 0

@@ -130,9 +130,11 @@ def _meta_model(config) -> nn.Module:
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, spec: QuantSpec, *,
                         full_precision: tuple[str, ...] | list[str] = (), parent: str | None = None,
-                        impl: str | None = None, overwrite: bool = False) -> QuantizedCheckpoint:
+                        impl: str | None = None, overwrite: bool = False,
+                        extra_files: dict[str, str] | None = None) -> QuantizedCheckpoint:
     """HF safetensors folder `src` -> compressed-tensors folder `dst`. `full_precision`: linear
-    layer names to keep unquantized (all shards of a fused q/k/v or gate/up group, or none)."""
+    layer names to keep unquantized (all shards of a fused q/k/v or gate/up group, or none).
+    `extra_files`: {name: text} written into `dst` too (hashed in its manifest, like the rest)."""
     from transformers import AutoConfig
 
     src, dst = Path(src), Path(dst)
@@ -143,6 +145,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, spec: QuantSpec, *,
     targets = quant_targets(model, full_precision)
     tmp = _staging(dst, overwrite)
     try:
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
         return _requantize(src, tmp, dst, shards, model, targets, spec, impl, parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

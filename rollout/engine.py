@@ -93,3 +93,24 @@ def vllm_generate(llm):
         return done
 
     return generate
+
+
+def prompt_logprobs(llm, sequences: list[list[int]], scored: list[list[int]], k: int, vocab_size: int):
+    """Teacher-forced log-probabilities from an offline engine: one row [vocab_size] per scored
+    position t of each sequence (the distribution token t+1 was drawn from), holding the engine's
+    top `k` entries and NaN elsewhere (k = vocab_size: the whole distribution). The engine must
+    have been built with max_logprobs >= k."""
+    import torch
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k)
+    outs = llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
+    rows = []
+    for out, positions in zip(outs, scored):
+        for t in positions:
+            entry = out.prompt_logprobs[t + 1]
+            row = torch.full((vocab_size,), float("nan"))
+            ids = torch.tensor(list(entry.keys()), dtype=torch.long)
+            row[ids] = torch.tensor([lp.logprob for lp in entry.values()], dtype=torch.float32)
+            rows.append(row)
+    return torch.stack(rows) if rows else torch.empty((0, vocab_size))

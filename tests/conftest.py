@@ -115,3 +115,24 @@ def ds_episodes(tiny_llm, tiny_tokenizer):
 @pytest.fixture(scope="session")
 def ds_tokenizer_path(tiny_base) -> str:
     return str(tiny_base.path)
+
+
+@pytest.fixture(scope="session")
+def gate_dataset(ds_episodes, ds_traces, ds_write, ds_tokenizer_path, tmp_path_factory):
+    """The shared episodes as an RL dataset with a held-out split (episodes drawn at 0.4): what
+    requantize calibrates on (train) and the KL gate measures on (heldout)."""
+    from pipelines.traces_to_dataset import DatasetConfig, build_dataset
+    from rollout.traces import Feedback
+
+    root = tmp_path_factory.mktemp("gate-data")
+    traces, feedback = [], []
+    for i, (_, ep) in enumerate(ds_episodes):
+        tr = ds_traces(ep, f"gate-{i // G}-{i % G}")
+        traces += tr
+        feedback.append(Feedback(trace_id=tr[-1].trace_id, episode_id=tr[-1].episode_id, reward=float(i % 2),
+                                 source="env:planted", created_at=tr[-1].created_at))
+    ds_write(root / "data", traces, feedback)
+    ds = build_dataset(DatasetConfig(trace_root=root / "data", out_dir=root / "ds", tokenizer=ds_tokenizer_path,
+                                     heldout_fraction=0.4, heldout_unit="episode", feedback_mode="override"))
+    assert ds.train_episodes and ds.heldout_episodes, ds
+    return ds

@@ -9,14 +9,16 @@ from srv_util import ADMIN_TOKEN
 
 
 def test_collect_through_an_existing_endpoint_then_build(srv_main, tiny_base, tmp_path):
-    from loop.collect import collect_phase, dataset_phase
+    from loop.collect import collect_phase, dataset_phase, endpoint
     from loop.config import load_config
 
     cfg = load_config("conf/tiny.yaml", [
         f"run_dir={tmp_path / 'run'}", f"serve.trace_root={srv_main.trace_root}", f"serve.admin_token={ADMIN_TOKEN}",
         f"collect.endpoint={srv_main.url}", "collect.num_problems=2", "collect.rollout.group_size=3", "collect.rollout.max_tokens=32",
         "dataset.heldout_fraction=0"])
-    collected = collect_phase(cfg, tiny_base.path, tmp_path / "run")
+    with endpoint(cfg, tiny_base.path, tmp_path / "run") as ep:
+        assert ep.process is None and ep.url == srv_main.url
+        collected = collect_phase(cfg, ep, tiny_base.path)
     assert (collected.episodes, collected.episodes_ok, collected.endpoint) == (6, 6, srv_main.url)
     assert collected.weight_versions and len(collected.group_successes) == 2
 

@@ -1,0 +1,250 @@
+"""The loop's last three phases: requantize -> validate -> promote, each an MLflow run.
+
+    requantize  trained checkpoint -> the serving checkpoint in this machine's serving format, with
+                the layer plan searched on the dataset's train split (pipelines/requantize.py); a
+                full-precision serving format serves the trained folder as it is
+    validate    the KL gate (pipelines/validate.py) on the held-out split against the version the
+                server serves now; its engine stage runs the candidate on vLLM in a child process
+                (loop/evaluate.py) for its own log-probs and eval success at the serving temperature
+    promote     a registry version for the candidate (MLflow Model Registry), then hot-swap and
+                canary, or `rejected` (pipelines/promote.py)
+
+`loop validate CONFIG SERVING CANDIDATE` runs the gate by hand; `loop rollback CONFIG` puts the
+`previous` version back.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from loop.configs import to_yaml
+
+
+@dataclass(frozen=True)
+class Candidate:
+    path: str  # the folder to serve
+    fp: str | None  # its full-precision weights (None: it is full precision itself)
+    fmt: str  # "w4a16" | "w8a8" | "none"
+    plan: object | None  # pipelines.requantize.LayerPlan
+    parent: str  # the checkpoint it was trained from
+    dataset: str
+    seconds: float = 0.0
+
+
+def requantize_phase(cfg, ckpt, dataset_path: str, run_dir: Path) -> Candidate:
+    """`ckpt` (trainers.rl.manifest.PolicyCheckpoint) -> Candidate, its plan logged to MLflow."""
+    import mlflow
+
+    from kernels import QuantSpec
+    from loop.tracking import start_run
+    from loop.train import qat_spec
+    from pipelines.logits import dataset_sequences
+    from pipelines.requantize import requantize
+
+    t0 = time.perf_counter()
+    fmt, spec = qat_spec(cfg)
+    if spec is None:
+        print(f"[loop] serving format {fmt}: the trained checkpoint serves as it is", flush=True)
+        return Candidate(ckpt.path, None, fmt, None, ckpt.parent, dataset_path, time.perf_counter() - t0)
+    out = Path(run_dir) / "served" / Path(ckpt.path).name
+    calibration = dataset_sequences(dataset_path, "train", cfg.requantize.calibration_sequences)
+    with start_run(cfg, "requantize", tags={"phase": "requantize", "checkpoint_path": ckpt.path, "format": fmt}):
+        manifest, plan = requantize(ckpt.path, out, QuantSpec.from_dict(spec), calibration, cfg.requantize,
+                                    parent=ckpt.path, overwrite=True)
+        mlflow.log_dict(plan.to_dict(), "layer_plan.json")
+        mlflow.log_metrics({"requantize/kl": plan.kl, "requantize/kl_joint": plan.joint["kl"],
+                            "requantize/kl_one_at_a_time": plan.one_at_a_time["kl"],
+                            "requantize/full_precision_layers": len(plan.full_precision),
+                            "requantize/plans_scored": len(plan.evaluated), "requantize/search_s": plan.seconds})
+        _plot_plan(plan)
+        mlflow.set_tag("served_path", manifest.path)
+    c = Candidate(manifest.path, ckpt.path, fmt, plan, ckpt.parent, dataset_path, time.perf_counter() - t0)
+    ratio = plan.joint["kl"] / plan.one_at_a_time["kl"] if plan.one_at_a_time["kl"] > 0 else float("nan")
+    print(f"[loop] requantized as {fmt} -> {c.path}: {len(plan.full_precision)} layers kept full precision, "
+          f"KL to full precision {plan.kl:.2e} (joint plan {ratio:.2f}x the one-at-a-time baseline's; "
+          f"{len(plan.evaluated)} plans scored in {plan.seconds:.1f}s)", flush=True)
+    return c
+
+
+def _plot_plan(plan) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import mlflow
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    pts = [(e["layers"], e["kl"]) for e in plan.evaluated]
+    ax.scatter(*zip(*pts), s=8, color="#bbb", label="plans scored")
+    for name, color in (("joint", "#4a7"), ("one_at_a_time", "#c55")):
+        curve = getattr(plan, name)["curve"]
+        ax.plot(*zip(*curve), marker="o", color=color, label=f"{name} search")
+    ax.set(xlabel="linear layers kept in full precision", ylabel="KL(fp || plan), nats/token", yscale="log",
+           title="requantize: layer plans")
+    ax.legend()
+    with tempfile.TemporaryDirectory() as d:
+        fig.savefig(Path(d) / "layer_plans.png", dpi=120, bbox_inches="tight")
+        mlflow.log_artifact(str(Path(d) / "layer_plans.png"), artifact_path="plots")
+    plt.close(fig)
+
+
+def heldout(cfg, dataset_path: str):
+    from pipelines.logits import dataset_sequences
+
+    try:
+        return dataset_sequences(dataset_path, "heldout", cfg.validate.heldout_sequences)
+    except ValueError as e:
+        raise ValueError(f"{e}: the gate needs held-out episodes (dataset.heldout_fraction > 0)") from None
+
+
+def engine_side(cfg, folder: str, seqs, vocab_size: int, serving_success: float | None, run_dir: Path):
+    """The candidate on vLLM in a child process: prompt log-probs of `seqs` and eval success."""
+    import torch
+
+    from loop.evaluate import served_success
+    from pipelines.validate import EngineSide
+
+    t = cfg.collect.rollout.temperature
+    k = cfg.validate.engine_logprobs_k(vocab_size)
+    logs = Path(run_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    (logs / "gate.yaml").write_text(to_yaml(cfg))
+    with tempfile.TemporaryDirectory() as d:
+        scored = [[i for i in range(len(s) - 1) if m[i + 1]] for s, m in zip(seqs.ids, seqs.sampled)]
+        (Path(d) / "seqs.json").write_text(json.dumps({"ids": [list(s) for s in seqs.ids], "scored": scored}))
+        res = served_success(str(logs / "gate.yaml"), folder, cfg.serve.quant, temperatures=(t,),
+                             logprobs=(str(Path(d) / "seqs.json"), str(Path(d) / "lp.pt"), k))
+        lp = torch.load(Path(d) / "lp.pt")["logprobs"]
+    source = f"vLLM {res['kernel_build']} {res['fmt']} in {res['dtype']}, prompt log-probs top-{k}"
+    return EngineSide(lp, res[f"T={t}"], serving_success, t, res["num_problems"], source, res["seconds"]), res
+
+
+def serving_success(cfg, registry, version, folder: str, run_dir: Path) -> float | None:
+    """The serving version's eval success at the serving temperature: its registry tag, else
+    measured once on vLLM (a child engine) and tagged."""
+    from loop.evaluate import served_success
+
+    t = cfg.collect.rollout.temperature
+    key = f"eval_success_T{t}_n{cfg.task.num_eval_problems}_seed{cfg.task.seed}"
+    if version is not None and key in version.tags:
+        return float(version.tags[key])
+    logs = Path(run_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    (logs / "gate.yaml").write_text(to_yaml(cfg))
+    value = served_success(str(logs / "gate.yaml"), folder, cfg.serve.quant, temperatures=(t,))[f"T={t}"]
+    if version is not None:
+        registry.tag(version.version, **{key: value})
+    return value
+
+
+def gate(cfg, candidate: str, fp: str | None, serving: str, seqs, run_dir: Path, serving_success_: float | None,
+         out_dir: Path):
+    """The whole gate: checks and twin KL, then (if those pass) the engine stage. Returns the KLGate."""
+    from rollout.capabilities import detect, serving_format
+    from rollout.server.tracing import quant_format, stack_fingerprint
+    from pipelines.validate import KLGate, write_report
+
+    g = KLGate(candidate, fp, serving, seqs, cfg.validate, stack=dict(stack_fingerprint(candidate).__dict__))
+    report = g.measure()
+    if report.passed:
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(candidate).vocab_size
+        engine, _ = engine_side(cfg, candidate, seqs, vocab, serving_success_, run_dir)
+        tolerance = cfg.validate.engine_tolerance or detect().canary_tolerance(serving_format(quant_format(candidate)))
+        g.with_engine(engine, tolerance)
+    write_report(g, out_dir)
+    return g
+
+
+def validate_phase(cfg, cand: Candidate, ep, run_dir: Path):
+    """Gate `cand` against what the endpoint serves; register it (alias `candidate`).
+    Returns (KLGate, registry version, Registry, AdminClient)."""
+    import mlflow
+
+    from loop.tracking import start_run
+    from pipelines.promote import AdminClient, Registry
+
+    server = AdminClient(ep.url, ep.admin_token)
+    status = server.status()
+    registry = Registry(cfg.tracking_uri, cfg.promote.model_name)
+    serving_v = registry.serving_version(status["path"], tags={
+        "stack": status["stack"], "checkpoint_sha256": status["checkpoint_sha256"],
+        "server_weight_version": status["weight_version"], "format": status["stack"].get("quant_format", "")})
+    seqs = heldout(cfg, cand.dataset)
+    with start_run(cfg, "validate", tags={"phase": "validate", "candidate": cand.path, "serving": status["path"],
+                                          "serving_version": serving_v.version}):
+        success = serving_success(cfg, registry, serving_v, status["path"], run_dir)
+        g = gate(cfg, cand.path, cand.fp, status["path"], seqs, run_dir, success, run_dir / "gates" / Path(cand.path).name)
+        r = g.report
+        log_report(r)
+        mlflow.log_artifacts(str(run_dir / "gates" / Path(cand.path).name), artifact_path="gate")
+        tags = {"parent": cand.parent, "dataset": cand.dataset, "format": cand.fmt, "stack": r.stack,
+                "plan_full_precision": cand.plan.full_precision if cand.plan else [], "gate": "pass" if r.passed else "fail",
+                "kl_quant": r.quant.get("kl", {}), "kl_drift": r.drift.get("kl", {}), "status": "candidate",
+                f"eval_success_T{cfg.collect.rollout.temperature}_n{cfg.task.num_eval_problems}_seed{cfg.task.seed}":
+                    r.eval.get("candidate_success", float("nan")), "fp_path": cand.fp or ""}
+        version = registry.register(cand.path, tags, run_id=mlflow.active_run().info.run_id)
+        registry.set_alias("candidate", version.version)
+        mlflow.set_tag("registry_version", version.version)
+    print(f"[loop] {r.summary_line()} (registry {registry.name} v{version.version})", flush=True)
+    return g, version, registry, server
+
+
+def log_report(r) -> None:
+    import mlflow
+
+    metrics = {"gate/passed": float(r.passed)}
+    for side in ("quant", "drift"):
+        for k, v in getattr(r, side).get("kl", {}).items():
+            metrics[f"gate/{side}_kl_{k}"] = v
+        if "flip_rate" in getattr(r, side):
+            metrics[f"gate/{side}_flip_rate"] = getattr(r, side)["flip_rate"]
+    metrics |= {f"gate/{k}": v for k, v in r.eval.items() if isinstance(v, (int, float)) and v is not None}
+    metrics |= {f"gate/engine_{k}": float(v) for k, v in r.engine_check.items() if isinstance(v, (int, float))}
+    metrics |= {f"gate/time_{k}": v for k, v in r.timings.items()}
+    mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
+    mlflow.set_tag("gate", "pass" if r.passed else "fail: " + "; ".join(r.reasons)[:4000])
+
+
+def canary_expectation(g, n: int):
+    """The first `n` held-out sequences and the gate's engine log-probs of their sampled tokens."""
+    from pipelines.logits import scored_targets
+
+    seqs = g.seqs.head(n)
+    targets = scored_targets(seqs)
+    rows = g.engine_logprobs[:len(targets)]
+    values = rows[range(len(targets)), targets].tolist()
+    out, i = [], 0
+    for ids, m in zip(seqs.ids, seqs.sampled):
+        k = sum(m[1:])
+        out.append(values[i:i + k])
+        i += k
+    return seqs, out
+
+
+def promote_phase(cfg, g, version, registry, server):
+    """Swap a passing candidate in (canary-checked), or record it as rejected."""
+    import mlflow
+
+    from loop.tracking import start_run
+    from pipelines.promote import promote, reject
+
+    with start_run(cfg, "promote", tags={"phase": "promote", "registry_version": version.version}):
+        if g.report.passed:
+            seqs, expected = canary_expectation(g, cfg.promote.canary_sequences)
+            outcome = promote(registry, server, version, g.candidate, cfg.promote, seqs, expected)
+        else:
+            outcome = reject(registry, version, g.report.reasons)
+        mlflow.set_tags({"outcome": outcome.status, "reason": outcome.reason[:4000]})
+        mlflow.log_dict(outcome.__dict__, "promote_outcome.json")
+        if outcome.swap:
+            mlflow.log_metrics({"promote/pause_s": outcome.swap.get("pause_s", 0.0), "promote/seconds": outcome.seconds,
+                                "promote/server_weight_version": outcome.swap.get("weight_version", -1)})
+    print(f"[loop] registry {registry.name} v{version.version}: {outcome.status}"
+          f"{' (' + outcome.reason + ')' if outcome.reason else ''}", flush=True)
+    return outcome

@@ -1,0 +1,104 @@
+"""The gate and the registry by hand.
+
+    loop validate CONFIG SERVING CANDIDATE [key=value ...] [--fp DIR] [--dataset DIR]
+        the KL gate between any two checkpoints: CANDIDATE (as it would serve) against SERVING, on
+        the held-out split of DATASET (default: the newest under <run_dir>/datasets); CANDIDATE's
+        full-precision weights are --fp, else the parent its manifest names. Exit 0 pass, 1 fail.
+    loop rollback CONFIG [key=value ...] [--endpoint URL]
+        the registry's `previous` version back on the server (collect.endpoint, or --endpoint) and
+        in the aliases; the admin token is serve.admin_token or the env var serve.admin_token_env.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+def _fp_of(candidate: str) -> str | None:
+    from pipelines.quantize import load_manifest
+
+    try:
+        parent = load_manifest(candidate).parent
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return parent if parent and (Path(parent) / "config.json").is_file() else None
+
+
+def validate_main(argv: list[str]) -> int:
+    import mlflow
+
+    from loop.config import load_config
+    from loop.configs import ConfigError
+    from loop.gate import gate, heldout, log_report
+    from loop.tracking import start_run
+
+    p = argparse.ArgumentParser(prog="loop validate", description="the KL gate between two checkpoints")
+    p.add_argument("config")
+    p.add_argument("serving")
+    p.add_argument("candidate")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--fp", help="the candidate's full-precision weights (default: its manifest's parent)")
+    p.add_argument("--dataset", help="an RL dataset folder (default: the newest under <run_dir>/datasets)")
+    a = p.parse_intermixed_args(argv)
+    try:
+        cfg = load_config(a.config, a.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    dataset = a.dataset or max((str(d) for d in (Path(cfg.run_dir) / "datasets").glob("*") if d.is_dir()), default=None)
+    if dataset is None:
+        print(f"no dataset: pass --dataset DIR (none under {cfg.run_dir}/datasets)", file=sys.stderr)
+        return 2
+    from loop.evaluate import served_success
+
+    run_dir = Path(cfg.run_dir)
+    seqs = heldout(cfg, dataset)
+    t = cfg.collect.rollout.temperature
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    from loop.configs import to_yaml
+
+    (run_dir / "logs" / "gate.yaml").write_text(to_yaml(cfg))
+    serving_success = served_success(str(run_dir / "logs" / "gate.yaml"), a.serving, cfg.serve.quant,
+                                     temperatures=(t,))[f"T={t}"]
+    out = run_dir / "gates" / f"manual-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}"
+    with start_run(cfg, "validate (manual)", tags={"phase": "validate", "candidate": a.candidate,
+                                                   "serving": a.serving}):
+        g = gate(cfg, a.candidate, a.fp or _fp_of(a.candidate), a.serving, seqs, run_dir, serving_success, out)
+        log_report(g.report)
+        mlflow.log_artifacts(str(out), artifact_path="gate")
+    print(g.report.summary_line())
+    print(f"report: {out / 'gate_report.json'}")
+    return 0 if g.report.passed else 1
+
+
+def rollback_main(argv: list[str]) -> int:
+    from loop.config import load_config
+    from loop.configs import ConfigError
+    from pipelines.promote import AdminClient, Registry, rollback
+
+    p = argparse.ArgumentParser(prog="loop rollback", description="put the `previous` version back")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--endpoint", help="the server (default: collect.endpoint)")
+    a = p.parse_intermixed_args(argv)
+    try:
+        cfg = load_config(a.config, a.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    url = a.endpoint or cfg.collect.endpoint
+    if not url:
+        print("no server to roll back: pass --endpoint URL or set collect.endpoint", file=sys.stderr)
+        return 2
+    registry = Registry(cfg.tracking_uri, cfg.promote.model_name)
+    try:
+        outcome = rollback(registry, AdminClient(url, cfg.serve.resolved_admin_token()), cfg.promote.swap_mode)
+    except (ValueError, RuntimeError) as e:
+        print(f"rollback failed: {e}", file=sys.stderr)
+        return 1
+    print(f"rolled back: {registry.name} v{outcome.version} serves again "
+          f"(server weight version {outcome.swap.get('weight_version')})")
+    return 0

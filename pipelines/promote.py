@@ -1,0 +1,185 @@
+"""Promote: a gated checkpoint becomes a version in the MLflow Model Registry and the server's
+weights, or is recorded as rejected; and rollback, which puts the `previous` version back.
+
+    register (alias `candidate`) ─▶ gate failed: alias `rejected`, tags say why; serving untouched
+                                 ─▶ gate passed: hot-swap through the admin API ─▶ canary: the
+                                    server's log-probs on held-out tokens reproduce the gate's ─▶
+                                    aliases serving (new) / previous (old)
+                                    canary failed: swap back, tag rolled_back
+
+Registry versions carry tags: weight version on the server, parent, dataset, quant format and
+layer plan, KL summary, eval success, stack fingerprint, status. The version's source is the
+checkpoint folder itself (a local registry; a remote one would log the folder as an artifact).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+ALIASES = ("serving", "previous", "candidate", "rejected")
+
+
+@dataclass
+class PromoteConfig:
+    model_name: str = "flywheel-policy"  # the registered model
+    canary_sequences: int = 4  # held-out episodes the server must reproduce after the swap
+    canary_tolerance: float = 0.02  # mean |Δ logprob| of the server against the gate's engine (same kernels)
+    swap_mode: str = "drain"  # the admin API's mode: "drain" | "keep"
+
+    def __post_init__(self):
+        if self.swap_mode not in ("drain", "keep"):
+            raise ValueError(f"swap_mode must be 'drain' or 'keep', got {self.swap_mode!r}")
+        if not self.canary_tolerance > 0 or self.canary_sequences < 1:
+            raise ValueError("canary_tolerance must be > 0 and canary_sequences >= 1")
+
+
+class AdminClient:
+    """The server's admin API and its teacher-forced log-probs (vLLM's prompt_logprobs)."""
+
+    def __init__(self, url: str, token: str | None, model: str = "flywheel"):
+        self.url, self.model = url.rstrip("/"), model
+        self.headers = {"authorization": f"Bearer {token}"} if token else {}
+
+    def status(self) -> dict:
+        r = httpx.get(self.url + "/admin/status", headers=self.headers, timeout=30)
+        r.raise_for_status()
+        return r.json()
+
+    def swap(self, path: str, mode: str = "drain") -> tuple[int, dict]:
+        r = httpx.post(self.url + "/admin/weights", headers=self.headers, json={"path": path, "mode": mode},
+                       timeout=600)
+        return r.status_code, r.json()
+
+    def sampled_logprobs(self, ids: list[int], scored: list[int]) -> list[float]:
+        """The server's log-prob of token t+1 at each scored position t of `ids`."""
+        r = httpx.post(self.url + "/v1/completions", timeout=120, json={
+            "model": self.model, "prompt": list(ids), "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0})
+        r.raise_for_status()
+        entries = r.json()["choices"][0]["prompt_logprobs"]
+        return [entries[t + 1][str(ids[t + 1])]["logprob"] for t in scored]
+
+
+@dataclass
+class Outcome:
+    status: str  # "serving" | "rejected" | "rolled_back" | "swap_refused"
+    version: str
+    reason: str = ""
+    swap: dict = field(default_factory=dict)
+    canary: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+class Registry:
+    """The registered model's versions and aliases (an MLflow tracking URI holds the registry)."""
+
+    def __init__(self, tracking_uri: str, name: str):
+        from mlflow import MlflowClient
+
+        self.client, self.name = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri), name
+        try:
+            self.client.get_registered_model(name)
+        except Exception:
+            self.client.create_registered_model(name, description="Flywheel policy versions, as served "
+                                                "(quantized); aliases serving / previous / candidate / rejected")
+
+    def register(self, path: str, tags: dict, run_id: str | None = None):
+        return self.client.create_model_version(self.name, source=str(path), run_id=run_id,
+                                                tags={k: _tag(v) for k, v in tags.items()})
+
+    def alias(self, alias: str):
+        try:
+            return self.client.get_model_version_by_alias(self.name, alias)
+        except Exception:
+            return None
+
+    def set_alias(self, alias: str, version) -> None:
+        self.client.set_registered_model_alias(self.name, alias, str(version))
+
+    def tag(self, version, **tags) -> None:
+        for k, v in tags.items():
+            self.client.set_model_version_tag(self.name, str(version), k, _tag(v))
+
+    def version_of(self, path: str):
+        """The newest version whose source is `path`, or None."""
+        found = [v for v in self.client.search_model_versions(f"name='{self.name}'") if v.source == str(path)]
+        return max(found, key=lambda v: int(v.version)) if found else None
+
+    def serving_version(self, path: str, tags: dict):
+        """The version of the folder the server serves now: registered (and aliased `serving`) if new."""
+        v = self.version_of(path) or self.register(path, {**tags, "status": "serving"})
+        current = self.alias("serving")
+        if current is None or current.version != v.version:
+            self.set_alias("serving", v.version)
+        return self.client.get_model_version(self.name, v.version)
+
+
+def _tag(v) -> str:
+    return v if isinstance(v, str) else json.dumps(v, default=float)[:5000]
+
+
+def canary(server: AdminClient, seqs, expected: list[list[float]]) -> dict:
+    """The server's log-probs of held-out sampled tokens against `expected` (the gate's engine)."""
+    deltas = []
+    for ids, sampled, want in zip(seqs.ids, seqs.sampled, expected):
+        scored = [t for t in range(len(ids) - 1) if sampled[t + 1]]
+        got = server.sampled_logprobs(ids, scored)
+        deltas += [abs(a - b) for a, b in zip(got, want)]
+    mean = sum(deltas) / max(1, len(deltas))
+    return {"mean_abs_dlogprob": mean, "max_abs_dlogprob": max(deltas, default=float("nan")),
+            "tokens": len(deltas), "finite": all(math.isfinite(d) for d in deltas)}
+
+
+def promote(registry: Registry, server: AdminClient, version, path: str, cfg: PromoteConfig,
+            canary_seqs, expected: list[list[float]]) -> Outcome:
+    """Swap `version` (which passed the gate) into the server; keep it only if the canary agrees."""
+    t0 = time.perf_counter()
+    before = server.status()
+    old = registry.version_of(before["path"])
+    code, body = server.swap(path, cfg.swap_mode)
+    if code != 200:
+        reason = body.get("error", {}).get("message", str(body))
+        registry.tag(version.version, status="swap_refused", reason=reason)
+        return Outcome("swap_refused", version.version, f"the server refused the swap ({code}): {reason}",
+                       seconds=time.perf_counter() - t0)
+    check = canary(server, canary_seqs, expected)
+    if not (check["finite"] and check["mean_abs_dlogprob"] <= cfg.canary_tolerance):
+        back, body_back = server.swap(before["path"], cfg.swap_mode)
+        reason = (f"canary after the swap: mean |Δ logprob| {check['mean_abs_dlogprob']:.4g} against the gate's "
+                  f"engine (tolerance {cfg.canary_tolerance:g}); swapped back ({back})")
+        registry.tag(version.version, status="rolled_back", reason=reason, canary=check)
+        return Outcome("rolled_back", version.version, reason, body, check, time.perf_counter() - t0)
+    if old is not None:
+        registry.set_alias("previous", old.version)
+        registry.tag(old.version, status="previous")
+    registry.set_alias("serving", version.version)
+    registry.tag(version.version, status="serving", server_weight_version=body["weight_version"],
+                 swap=body, canary=check)
+    return Outcome("serving", version.version, "", body, check, time.perf_counter() - t0)
+
+
+def reject(registry: Registry, version, reasons: list[str]) -> Outcome:
+    registry.set_alias("rejected", version.version)
+    registry.tag(version.version, status="rejected", reason="; ".join(reasons))
+    return Outcome("rejected", version.version, "; ".join(reasons))
+
+
+def rollback(registry: Registry, server: AdminClient, mode: str = "drain") -> Outcome:
+    """Put the `previous` version back on the server and in the aliases (serving <-> previous)."""
+    t0 = time.perf_counter()
+    prev, cur = registry.alias("previous"), registry.alias("serving")
+    if prev is None:
+        raise ValueError(f"registered model {registry.name} has no `previous` version to roll back to")
+    code, body = server.swap(prev.source, mode)
+    if code != 200:
+        raise RuntimeError(f"the server refused to swap back to {prev.source} ({code}): {body}")
+    registry.set_alias("serving", prev.version)
+    registry.tag(prev.version, status="serving", server_weight_version=body["weight_version"])
+    if cur is not None and cur.version != prev.version:
+        registry.set_alias("previous", cur.version)
+        registry.tag(cur.version, status="rolled_back", reason="loop rollback")
+    return Outcome("serving", prev.version, "rolled back", body, seconds=time.perf_counter() - t0)

@@ -1,0 +1,230 @@
+"""The KL gate: may a candidate checkpoint replace the version serving now?
+
+    checks      the candidate against the serving folder, file by file and tensor by tensor
+                (pipelines.served): a bad checkpoint is rejected with the reason, nothing runs on it
+    KL          over the held-out slice (episodes never trained on), teacher-forced on the same
+                tokens, at the positions whose next token the policy sampled:
+                  quantization damage  KL(candidate as served || candidate in full precision)
+                  policy drift         KL(serving || candidate), both as served
+                per-token distributions (mean, p50, p90, p99, max) and top-1 flip rates
+    engine      the candidate on the vLLM engine (the caller runs it: loop/gate.py): its own prompt
+                log-probs (the whole vocabulary when small, else top-k plus the tail's mass) replace
+                the torch twin's for the damage, and its eval success at the serving temperature is
+                compared with the serving version's. The twin, which the drift and the plan search
+                use, is checked against those engine log-probs (mean |Δ logprob| on the sampled
+                tokens within `engine_tolerance`), so the gate measures the served model.
+
+Every threshold is a GateConfig field; a failing report names each threshold it broke.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from pipelines.logits import Sequences, flip_rate, kl, kl_known, model_logprobs, scored_targets, summary
+from pipelines.served import CandidateError, check_candidate, load_twin
+
+
+@dataclass
+class GateConfig:
+    heldout_sequences: int = 32  # held-out episodes the KL is measured on
+    max_quant_kl_mean: float = 0.02  # nats per sampled token
+    max_quant_kl_p99: float = 0.25
+    max_quant_flip_rate: float = 0.05
+    max_drift_kl_mean: float = 0.1
+    max_drift_kl_p99: float = 1.5
+    max_drift_flip_rate: float = 0.2
+    min_success_delta: float = -0.05  # candidate minus serving eval success, through vLLM
+    engine_tolerance: float | None = None  # twin vs engine mean |Δ logprob|; None: the canary's for the format here
+    engine_topk: int = 20  # log-probs per position from the engine when the vocabulary is large
+    full_vocab_max: int = 4096  # vocabularies up to this size come back whole
+
+    def __post_init__(self):
+        for name in ("max_quant_kl_mean", "max_quant_kl_p99", "max_quant_flip_rate", "max_drift_kl_mean",
+                     "max_drift_kl_p99", "max_drift_flip_rate"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.heldout_sequences < 1 or self.engine_topk < 1:
+            raise ValueError("heldout_sequences and engine_topk must be >= 1")
+
+    def engine_logprobs_k(self, vocab_size: int) -> int:
+        return vocab_size if vocab_size <= self.full_vocab_max else self.engine_topk
+
+
+@dataclass
+class EngineSide:
+    """What the engine measured for the candidate as served (loop/gate.py runs it)."""
+    logprobs: torch.Tensor  # [num_scored, vocab] log-probs, NaN where the engine returned none
+    success: float  # eval success at `temperature`
+    serving_success: float | None  # the serving version's, same problems and temperature
+    temperature: float
+    num_problems: int
+    source: str
+    seconds: float
+
+
+@dataclass
+class GateReport:
+    passed: bool
+    reasons: list[str]
+    stage: str  # how far the gate got: "checks" | "kl" | "engine"
+    candidate: str
+    candidate_fp: str | None
+    serving: str
+    heldout: dict = field(default_factory=dict)
+    quant: dict = field(default_factory=dict)  # {"kl": summary, "flip_rate", "source"}
+    drift: dict = field(default_factory=dict)
+    eval: dict = field(default_factory=dict)
+    engine_check: dict = field(default_factory=dict)
+    stack: dict = field(default_factory=dict)
+    thresholds: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary_line(self) -> str:
+        q, d = self.quant.get("kl", {}), self.drift.get("kl", {})
+        verdict = "PASS" if self.passed else "FAIL: " + "; ".join(self.reasons)
+        return (f"gate {verdict} | damage KL mean {q.get('mean', float('nan')):.2e} p99 {q.get('p99', float('nan')):.2e} "
+                f"| drift KL mean {d.get('mean', float('nan')):.2e} p99 {d.get('p99', float('nan')):.2e} "
+                f"| success {self.eval.get('candidate_success', float('nan')):.1%} vs "
+                f"{self.eval.get('serving_success') if self.eval.get('serving_success') is not None else float('nan'):.1%}")
+
+
+def _limits(report: GateReport, cfg: GateConfig, side: str) -> None:
+    stats = getattr(report, side)
+    for stat, value in (("kl_mean", stats["kl"]["mean"]), ("kl_p99", stats["kl"]["p99"]),
+                        ("flip_rate", stats["flip_rate"])):
+        key = f"max_{side}_{stat}"
+        limit = getattr(cfg, key)
+        if not value <= limit:  # NaN fails too
+            report.reasons.append(f"{side} {stat} {value:.4g} > validate.{key} {limit:g}")
+
+
+class KLGate:
+    """One gate run: `measure()` (checks, then KL with the torch twins), then `with_engine()`."""
+
+    def __init__(self, candidate: str | Path, candidate_fp: str | Path | None, serving: str | Path,
+                 seqs: Sequences, cfg: GateConfig, stack: dict | None = None):
+        self.candidate, self.serving = str(candidate), str(serving)
+        self.candidate_fp = str(candidate_fp) if candidate_fp else None
+        self.seqs, self.cfg = seqs, cfg
+        self.report = GateReport(True, [], "checks", self.candidate, self.candidate_fp, self.serving,
+                                 heldout={"source": seqs.source, "sequences": len(seqs.ids),
+                                          "tokens": seqs.num_tokens, "scored_tokens": seqs.num_scored},
+                                 stack=stack or {}, thresholds=asdict(cfg))
+        self.lp: dict[str, torch.Tensor] = {}
+        self.per_token: dict[str, torch.Tensor] = {}
+
+    def _fail(self, reason: str) -> GateReport:
+        self.report.passed = False
+        self.report.reasons.append(reason)
+        return self.report
+
+    def measure(self) -> GateReport:
+        t0 = time.perf_counter()
+        try:
+            check_candidate(self.candidate, self.serving)
+            cand = load_twin(self.candidate)
+            serving = load_twin(self.serving)
+            fp = load_twin(self.candidate_fp) if self.candidate_fp else None
+        except CandidateError as e:
+            return self._fail(f"candidate rejected before any forward: {e}")
+        except (OSError, ValueError) as e:
+            return self._fail(f"cannot load a checkpoint: {type(e).__name__}: {e}")
+        t1 = time.perf_counter()
+        self.report.stage = "kl"
+        self.lp["candidate"] = model_logprobs(cand, self.seqs)
+        self.lp["serving"] = model_logprobs(serving, self.seqs)
+        if fp is not None:
+            self.lp["fp"] = model_logprobs(fp, self.seqs)
+        t2 = time.perf_counter()
+        r = self.report
+        self.per_token["drift"] = kl(self.lp["serving"], self.lp["candidate"])
+        r.drift = {"kl": summary(self.per_token["drift"]), "flip_rate": flip_rate(self.lp["serving"], self.lp["candidate"]),
+                   "source": "torch twins of both folders as served"}
+        if fp is not None:
+            self.per_token["quant"] = kl(self.lp["candidate"], self.lp["fp"])
+            r.quant = {"kl": summary(self.per_token["quant"]), "flip_rate": flip_rate(self.lp["candidate"], self.lp["fp"]),
+                       "source": "torch twin as served vs full precision"}
+            _limits(r, self.cfg, "quant")
+        _limits(r, self.cfg, "drift")
+        r.passed = not r.reasons
+        r.timings = {"load_s": round(t1 - t0, 3), "forwards_s": round(t2 - t1, 3), "forwards": len(self.lp),
+                     "kl_s": round(time.perf_counter() - t2, 3)}
+        r.timings["tokens_per_s"] = round(self.seqs.num_tokens * len(self.lp) / max(t2 - t1, 1e-9), 1)
+        return r
+
+    def with_engine(self, engine: EngineSide, tolerance: float) -> GateReport:
+        """The engine's measurements of the candidate: the twin check, the served damage, success."""
+        r = self.report
+        r.stage = "engine"
+        self.engine_logprobs = engine.logprobs
+        targets = scored_targets(self.seqs)
+        rows = torch.arange(len(targets))
+        got, twin = engine.logprobs[rows, targets], self.lp["candidate"][rows, targets]
+        delta = (got - twin).abs()
+        ok = bool(torch.isfinite(delta).all() and delta.mean().item() <= tolerance)
+        r.engine_check = {"mean_abs_dlogprob": delta.mean().item(), "max_abs_dlogprob": delta.max().item(),
+                          "tokens": len(targets), "tolerance": tolerance, "ok": ok, "source": engine.source}
+        if not ok:
+            r.reasons.append(f"the torch twin does not match the engine: mean |Δ logprob| "
+                             f"{delta.mean().item():.4g} > tolerance {tolerance:g} ({engine.source})")
+        if "fp" in self.lp:
+            self.per_token["quant"] = kl_known(engine.logprobs, self.lp["fp"])
+            known = (~torch.isnan(engine.logprobs)).sum(-1).float().mean().item()
+            top1 = torch.nan_to_num(engine.logprobs, nan=-math.inf).argmax(-1)
+            r.quant = {"kl": summary(self.per_token["quant"]),
+                       "flip_rate": (top1 != self.lp["fp"].argmax(-1)).double().mean().item(),
+                       "source": f"{engine.source} ({known:.0f} log-probs per position) vs full precision",
+                       "twin_kl": r.quant.get("kl")}
+            r.reasons = [x for x in r.reasons if not x.startswith("quant ")]
+            _limits(r, self.cfg, "quant")
+        r.eval = {"candidate_success": engine.success, "serving_success": engine.serving_success,
+                  "temperature": engine.temperature, "num_problems": engine.num_problems}
+        if engine.serving_success is not None:
+            d = engine.success - engine.serving_success
+            r.eval["success_delta"] = d
+            if not d >= self.cfg.min_success_delta:
+                r.reasons.append(f"success delta {d:+.3f} < validate.min_success_delta {self.cfg.min_success_delta:+g}")
+        r.timings["engine_s"] = round(engine.seconds, 2)
+        r.passed = not r.reasons
+        return r
+
+
+def write_report(gate: KLGate, out_dir: str | Path) -> Path:
+    """report.json and the KL histograms (PNG) under `out_dir`; returns the JSON's path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "gate_report.json"
+    path.write_text(json.dumps(gate.report.to_dict(), indent=2, default=float) + "\n")
+    if gate.per_token:
+        _histograms(gate, out / "gate_kl.png")
+    return path
+
+
+def _histograms(gate: KLGate, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = {"quant": "quantization damage: KL(served || full precision)", "drift": "policy drift: KL(serving || candidate)"}
+    fig, axes = plt.subplots(1, len(gate.per_token), figsize=(6 * len(gate.per_token), 3.5), squeeze=False)
+    for ax, (side, x) in zip(axes[0], gate.per_token.items()):
+        x = x[torch.isfinite(x)].clamp_min(1e-9).log10()
+        ax.hist(x.numpy(), bins=60, color="#4a7" if gate.report.passed else "#c55")
+        limit = getattr(gate.cfg, f"max_{side}_kl_p99")
+        ax.axvline(math.log10(max(limit, 1e-9)), color="k", ls="--", lw=1, label=f"p99 limit {limit:g}")
+        ax.set(xlabel="log10 KL per sampled token (nats)", ylabel="tokens", title=names[side])
+        ax.legend()
+    fig.suptitle(("PASS" if gate.report.passed else "FAIL") + f": {Path(gate.candidate).name}")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)

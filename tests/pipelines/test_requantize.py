@@ -1,0 +1,104 @@
+"""Requantize on the tiny model: the plan keeps to its budget and to vLLM's fused groups, the
+checkpoint quantizes exactly the plan's complement and carries the plan, the joint search is never
+worse than the one-at-a-time baseline, and the KL a plan was scored with is the KL of the
+checkpoint written for it (measured again on the loaded folder)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kernels import QuantSpec
+from kernels.layers import check_fused
+from pipelines.logits import dataset_sequences, kl, model_logprobs
+from pipelines.requantize import PLAN_FILE, RequantizeConfig, requantize
+from pipelines.served import load_twin
+
+SPEC = QuantSpec.w4a16(32, scale_dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def calibration(gate_dataset):
+    return dataset_sequences(gate_dataset.path, "train", 8)
+
+
+@pytest.fixture(scope="module")
+def planned(tiny_base, calibration, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("rq") / "q"
+    manifest, plan = requantize(tiny_base.path, dst, SPEC, calibration, RequantizeConfig(max_full_precision_layers=3))
+    return dst, manifest, plan
+
+
+def test_plan_keeps_its_budget_and_the_checkpoint_follows_it(planned, tiny_base):
+    from transformers import AutoModelForCausalLM
+
+    from kernels.layers import linear_names
+
+    dst, manifest, plan = planned
+    names = linear_names(AutoModelForCausalLM.from_pretrained(tiny_base.path))
+    assert len(plan.full_precision) <= 3 and set(plan.full_precision) <= set(names)
+    check_fused(set(plan.full_precision), names)  # all shards of a fused group, or none
+    assert set(manifest.ignored_layers) == {"lm_head", *plan.full_precision}
+    assert set(manifest.quantized_layers) == set(names) - set(plan.full_precision)
+    on_disk = json.loads((dst / PLAN_FILE).read_text())
+    assert on_disk["full_precision"] == plan.full_precision and PLAN_FILE in dict(manifest.files)
+    assert plan.calibration["source"].endswith(":train") and plan.calibration["scored_tokens"] > 0
+    # the joint search starts from the baseline's plan too: never worse than it
+    assert plan.joint["kl"] <= plan.one_at_a_time["kl"]
+    assert len(plan.one_at_a_time["sensitivity"]) == plan.budget["units"]
+    assert plan.evaluated[0]["kl"] == min(e["kl"] for e in plan.evaluated) <= plan.kl
+    all_quantized = next(e["kl"] for e in plan.evaluated if e["layers"] == 0)
+    assert plan.kl <= all_quantized and all_quantized > 0
+
+
+def test_scored_kl_is_the_written_checkpoints(planned, tiny_base, calibration):
+    """The folder, loaded as the engine would (its dequantized int4 weights), has the KL to full
+    precision that the search gave its plan: the search scored the artifact, not a look-alike."""
+    dst, _, plan = planned
+    fp = load_twin(tiny_base.path)
+    served = load_twin(dst)
+    measured = kl(model_logprobs(fp, calibration), model_logprobs(served, calibration)).mean().item()
+    assert measured == pytest.approx(plan.kl, rel=1e-3, abs=1e-7)
+
+
+def test_byte_budget_and_zero_budget(tiny_base, calibration, tmp_path):
+    _, plan0 = requantize(tiny_base.path, tmp_path / "q0", SPEC, calibration, RequantizeConfig(max_full_precision_layers=0))
+    assert plan0.full_precision == [] and plan0.joint["curve"] == [[0, plan0.kl]]
+    cfg = RequantizeConfig(max_full_precision_layers=99, max_extra_bytes=20_000)
+    _, plan = requantize(tiny_base.path, tmp_path / "qb", SPEC, calibration, cfg)
+    from transformers import AutoModelForCausalLM
+
+    from pipelines.requantize import units_of
+
+    units = units_of(AutoModelForCausalLM.from_pretrained(tiny_base.path), SPEC)
+    kept = [u for u in units if set(u.layers) <= set(plan.full_precision)]
+    assert sum(len(u.layers) for u in kept) == len(plan.full_precision)
+    assert sum(u.extra_bytes for u in kept) <= 20_000 < sum(u.extra_bytes for u in units)
+
+
+@pytest.mark.parametrize("kw, key", [({"max_full_precision_layers": -1}, "max_full_precision_layers"),
+                                      ({"search": "random"}, "search"),
+                                      ({"calibration_sequences": 0}, "calibration_sequences")])
+def test_config_errors_name_the_key(kw, key):
+    with pytest.raises(ValueError, match=key):
+        RequantizeConfig(**kw)
+
+
+def test_nan_weights_make_nan_kl_not_a_plan(tiny_base, calibration, tmp_path):
+    """A NaN in the trained weights cannot be planned around: every plan scores NaN, and the plan
+    says so (the gate then rejects the candidate)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "nan"
+    shutil.copytree(tiny_base.path, src)
+    shard = next(src.glob("*.safetensors"))
+    tensors = load_file(shard)
+    name = next(k for k in tensors if k.endswith("mlp.down_proj.weight"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    _, plan = requantize(src, tmp_path / "q", SPEC, calibration, RequantizeConfig(max_full_precision_layers=2))
+    assert torch.isnan(torch.tensor(plan.kl))
