@@ -141,9 +141,9 @@ def serving_success(cfg, registry, version, folder: str, run_dir: Path) -> float
     return value
 
 
-def gate(cfg, candidate: str, fp: str | None, serving: str, seqs, run_dir: Path, serving_success_: float | None,
-         out_dir: Path):
-    """The whole gate: checks and twin KL, then (if those pass) the engine stage. Returns the KLGate."""
+def gate(cfg, candidate: str, fp: str | None, serving: str, seqs, run_dir: Path, serving_success_, out_dir: Path):
+    """The whole gate: checks and twin KL, then (if those pass) the engine stage, which compares
+    with `serving_success_()` (called only then). Returns the KLGate."""
     from rollout.capabilities import detect, serving_format
     from rollout.server.tracing import quant_format, stack_fingerprint
     from pipelines.validate import KLGate, write_report
@@ -154,7 +154,7 @@ def gate(cfg, candidate: str, fp: str | None, serving: str, seqs, run_dir: Path,
         from transformers import AutoConfig
 
         vocab = AutoConfig.from_pretrained(candidate).vocab_size
-        engine, _ = engine_side(cfg, candidate, seqs, vocab, serving_success_, run_dir)
+        engine, _ = engine_side(cfg, candidate, seqs, vocab, serving_success_(), run_dir)
         tolerance = cfg.validate.engine_tolerance or detect().canary_tolerance(serving_format(quant_format(candidate)))
         g.with_engine(engine, tolerance)
     write_report(g, out_dir)
@@ -178,8 +178,9 @@ def validate_phase(cfg, cand: Candidate, ep, run_dir: Path):
     seqs = heldout(cfg, cand.dataset)
     with start_run(cfg, "validate", tags={"phase": "validate", "candidate": cand.path, "serving": status["path"],
                                           "serving_version": serving_v.version}):
-        success = serving_success(cfg, registry, serving_v, status["path"], run_dir)
-        g = gate(cfg, cand.path, cand.fp, status["path"], seqs, run_dir, success, run_dir / "gates" / Path(cand.path).name)
+        g = gate(cfg, cand.path, cand.fp, status["path"], seqs, run_dir,
+                 lambda: serving_success(cfg, registry, serving_v, status["path"], run_dir),
+                 run_dir / "gates" / Path(cand.path).name)
         r = g.report
         log_report(r)
         mlflow.log_artifacts(str(run_dir / "gates" / Path(cand.path).name), artifact_path="gate")

@@ -61,8 +61,10 @@ def validate_main(argv: list[str]) -> int:
     from loop.configs import to_yaml
 
     (run_dir / "logs" / "gate.yaml").write_text(to_yaml(cfg))
-    serving_success = served_success(str(run_dir / "logs" / "gate.yaml"), a.serving, cfg.serve.quant,
-                                     temperatures=(t,))[f"T={t}"]
+
+    def serving_success():
+        return served_success(str(run_dir / "logs" / "gate.yaml"), a.serving, cfg.serve.quant, temperatures=(t,))[f"T={t}"]
+
     out = run_dir / "gates" / f"manual-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}"
     with start_run(cfg, "validate (manual)", tags={"phase": "validate", "candidate": a.candidate,
                                                    "serving": a.serving}):

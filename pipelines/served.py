@@ -103,8 +103,7 @@ def check_candidate(folder: str | Path, serving: str | Path | None = None) -> st
             raise CandidateError(f"{folder} is {fmt}, which this machine cannot serve: {caps.why_not(fmt)}")
     if serving is not None:
         try:
-            return check_folder(folder, serving, same_quant=not (needs_new_engine(str(folder)) or
-                                                                needs_new_engine(str(serving))))
+            return check_folder(folder, serving, same_quant=not needs_new_engine(str(folder), current=str(serving)))
         except SwapError as e:
             raise CandidateError(e.message) from None
     if not (folder / "config.json").is_file():

