@@ -49,6 +49,9 @@ def requantize_phase(cfg, ckpt, dataset_path: str, run_dir: Path) -> Candidate:
     fmt, spec = qat_spec(cfg)
     if spec is None:
         print(f"[loop] serving format {fmt}: the trained checkpoint serves as it is", flush=True)
+        with start_run(cfg, "requantize", tags={"phase": "requantize", "checkpoint_path": ckpt.path, "format": fmt,
+                                                "served_path": ckpt.path}):
+            pass
         return Candidate(ckpt.path, None, fmt, None, ckpt.parent, dataset_path, time.perf_counter() - t0)
     out = Path(run_dir) / "served" / Path(ckpt.path).name
     calibration = dataset_sequences(dataset_path, "train", cfg.requantize.calibration_sequences)

@@ -1,7 +1,8 @@
 """`loop run` end to end on the tiny config: bootstrap (reused from the session's build), base
 success measured through vLLM, then collect (a real `loop serve` child, episodes over HTTP),
-build_dataset (the traces it wrote) and train (GRPO on a real local Ray runtime), each phase
-group an MLflow run in a real sqlite store."""
+build_dataset (the traces it wrote), train (GRPO on a real local Ray runtime), then requantize,
+validate (the KL gate, its engine stage in a child vLLM) and promote into the cycle's server
+through the MLflow registry, each phase group an MLflow run in a real sqlite store."""
 
 import json
 import subprocess
@@ -19,7 +20,7 @@ def test_config_error_exits_2_with_the_key(tmp_path):
 
 
 @pytest.mark.slow
-def test_loop_run_bootstraps_collects_builds_the_dataset_and_trains(tiny_base, tiny_cfg, tmp_path):
+def test_loop_run_bootstraps_collects_builds_trains_gates_and_promotes(tiny_base, tiny_cfg, plant, tmp_path):
     import mlflow
     import pyarrow.parquet as pq
 
@@ -41,7 +42,7 @@ def test_loop_run_bootstraps_collects_builds_the_dataset_and_trains(tiny_base, t
     client = mlflow.tracking.MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     exp = client.get_experiment_by_name(tiny_cfg.mlflow.experiment)
     runs = {r.data.tags["phase"]: r for r in client.search_runs([exp.experiment_id])}
-    assert set(runs) == {"bootstrap", "collect", "train"}
+    assert set(runs) == {"bootstrap", "collect", "train", "requantize", "validate", "promote"}
     assert all(r.info.artifact_uri.startswith((run_dir / "artifacts").resolve().as_uri()) for r in runs.values())
 
     boot = runs["bootstrap"]
@@ -74,12 +75,32 @@ def test_loop_run_bootstraps_collects_builds_the_dataset_and_trains(tiny_base, t
     ckpt = json.loads(mlflow.artifacts.load_text(f"{train.info.artifact_uri}/checkpoint_manifest.json"))
     assert ckpt["path"] == train.data.tags["checkpoint_path"] and ckpt["dataset"] == manifest["path"]
     assert (Path(ckpt["path"]) / "flywheel_manifest.json").is_file() and ckpt["world_size"] == 1
-    assert f"the trained checkpoint is ready at {ckpt['path']}" in out.stdout
     steps = ckpt["metrics"]["steps"]
     assert steps >= 1 and len(client.get_metric_history(train.info.run_id, "train/loss")) == steps
     for key in ("train/mismatch/train_vs_behaviour", "train/is/mean", "train/grad_norm", "train/tokens_per_s"):
         assert len(client.get_metric_history(train.info.run_id, key)) == steps, key
     assert {a.path for a in client.list_artifacts(train.info.run_id, "plots")} >= {"plots/loss.png"}
+
+    # requantize (serve.quant none here: the trained folder serves as it is) -> validate -> promote
+    assert runs["requantize"].data.tags["served_path"] == ckpt["path"]
+    val, prom = runs["validate"], runs["promote"]
+    report = json.loads(mlflow.artifacts.load_text(f"{val.info.artifact_uri}/gate/gate_report.json"))
+    assert report["candidate"] == ckpt["path"] and report["heldout"]["source"].endswith(":heldout")
+    assert val.data.metrics["gate/passed"] == float(report["passed"])
+    if report["passed"]:  # the tiny policy after 2 epochs: its drift is small, but not certain to pass
+        assert report["stage"] == "engine" and report["engine_check"]["ok"]
+        assert 0 <= report["eval"]["candidate_success"] <= 1 and report["eval"]["serving_success"] is not None
+    version = client.get_registered_model("flywheel-policy").aliases["candidate"]
+    assert prom.data.tags["outcome"] == ("serving" if report["passed"] else "rejected")
+    assert client.get_model_version("flywheel-policy", version).source == ckpt["path"]
+    assert f"cycle done: {prom.data.tags['outcome']} (registry v{version})" in out.stdout
+
+    # the gate by hand, on a candidate whose tokenizer differs: refused before any engine starts
+    plant_damage, _, _ = plant
+    bad = plant_damage(ckpt["path"], "tokenizer", tmp_path / "bad")
+    out = subprocess.run([sys.executable, "-m", "loop.cli", "validate", "conf/tiny.yaml", tiny_base.path, str(bad),
+                          f"run_dir={run_dir}", "--dataset", manifest["path"]], capture_output=True, text=True)
+    assert out.returncode == 1 and "tokenizer differs from the serving model" in out.stdout, out.stdout + out.stderr
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 a real MLflow registry: planted-damage candidates are rejected with their reason (alias `rejected`)
 while the server keeps serving the old version to live traffic with no failed request; a good
 candidate passes the engine stage, is promoted (aliases, server version, traces under the new
-version) and `rollback` restores the previous weights exactly; the swap itself never accepts a
+version) and `loop rollback` restores the previous weights exactly; the swap itself never accepts a
 NaN candidate. One server, one registry, tests in order."""
 
 from __future__ import annotations
@@ -112,8 +112,6 @@ def test_rejected_candidates_leave_serving_untouched(promo, plant, tiny_base):
 
 def test_good_candidate_is_promoted_and_rollback_restores_it_exactly(promo):
     from loop.gate import promote_phase, validate_phase
-    from pipelines.promote import AdminClient, rollback
-
     server, root = promo["server"], promo["root"]
     before = server.admin("GET", "/admin/status").json()
     g, version, registry, client = validate_phase(promo["cfg"], promo["candidate"](promo["good"]), promo["ep"],
@@ -142,8 +140,11 @@ def test_good_candidate_is_promoted_and_rollback_restores_it_exactly(promo):
     assert server.trace(resp.headers["x-flywheel-trace-id"])["weight_version"] == status["weight_version"]
     assert _canary_logprobs(server, canary_seqs) != old_logprobs
 
-    back = rollback(registry, AdminClient(server.url, ADMIN_TOKEN))
-    assert back.status == "serving" and registry.alias("serving").source == before["path"]
+    from loop.manual import rollback_main
+
+    cfg_args = ["conf/tiny.yaml", f"run_dir={root / 'run'}", f"serve.admin_token={ADMIN_TOKEN}"]
+    assert rollback_main(cfg_args + ["--endpoint", server.url]) == 0  # `loop rollback`
+    assert registry.alias("serving").source == before["path"]
     assert registry.alias("previous").version == version.version
     assert server.admin("GET", "/admin/status").json()["path"] == before["path"]
     assert _canary_logprobs(server, canary_seqs) == old_logprobs  # the same log-probs, exactly
