@@ -179,6 +179,7 @@ def validate_phase(cfg, cand: Candidate, ep, run_dir: Path):
         "stack": status["stack"], "checkpoint_sha256": status["checkpoint_sha256"],
         "server_weight_version": status["weight_version"], "format": status["stack"].get("quant_format", "")})
     seqs = heldout(cfg, cand.dataset)
+    regate_on_stack_change(cfg, registry, serving_v, status, seqs, run_dir)
     with start_run(cfg, "validate", tags={"phase": "validate", "candidate": cand.path, "serving": status["path"],
                                           "serving_version": serving_v.version}):
         g = gate(cfg, cand.path, cand.fp, status["path"], seqs, run_dir,
@@ -197,6 +198,47 @@ def validate_phase(cfg, cand: Candidate, ep, run_dir: Path):
         mlflow.set_tag("registry_version", version.version)
     print(f"[loop] {r.summary_line()} (registry {registry.name} v{version.version})", flush=True)
     return g, version, registry, server
+
+
+STACK_KEYS = ("engine", "engine_version", "quant_format", "kernel_build", "device", "torch_version")
+
+
+def regate_on_stack_change(cfg, registry, version, status: dict, seqs, run_dir: Path):
+    """When the server's stack (engine version, quant format, kernel build, device, torch) is not
+    the one the serving version was gated on, gate the serving version again, against itself: its
+    damage through the engine it now runs on, and its eval success. Tagged on the version."""
+    import mlflow
+
+    from loop.tracking import start_run
+
+    tagged = json.loads(version.tags.get("stack") or "{}")
+    changed = {k: (tagged.get(k), status["stack"].get(k)) for k in STACK_KEYS if tagged.get(k) != status["stack"].get(k)}
+    if not changed:
+        return None
+    print(f"[loop] the stack changed under the serving version v{version.version} "
+          f"({', '.join(f'{k}: {a} -> {b}' for k, (a, b) in changed.items())}): gating it again", flush=True)
+    out = run_dir / "gates" / f"restack-v{version.version}-{int(time.time())}"
+    fp = version.tags.get("fp_path") or fp_of(status["path"])
+    with start_run(cfg, "validate (stack change)", tags={"phase": "validate", "serving_version": version.version,
+                                                          "stack_change": json.dumps(changed)}):
+        g = gate(cfg, status["path"], fp, status["path"], seqs, run_dir, lambda: None, out)
+        log_report(g.report)
+        mlflow.log_artifacts(str(out), artifact_path="gate")
+    registry.tag(version.version, stack=status["stack"], regate="pass" if g.report.passed else "fail",
+                 regate_reasons="; ".join(g.report.reasons), regate_stack_change=changed)
+    print(f"[loop] serving version v{version.version} on the new stack: {g.report.summary_line()}", flush=True)
+    return g
+
+
+def fp_of(candidate: str) -> str | None:
+    """The full-precision folder a quantized checkpoint was made from (its manifest's parent)."""
+    from pipelines.quantize import load_manifest
+
+    try:
+        parent = load_manifest(candidate).parent
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return parent if parent and (Path(parent) / "config.json").is_file() else None
 
 
 def log_report(r) -> None:

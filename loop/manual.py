@@ -17,22 +17,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 
-def _fp_of(candidate: str) -> str | None:
-    from pipelines.quantize import load_manifest
-
-    try:
-        parent = load_manifest(candidate).parent
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return parent if parent and (Path(parent) / "config.json").is_file() else None
-
-
 def validate_main(argv: list[str]) -> int:
     import mlflow
 
     from loop.config import load_config
     from loop.configs import ConfigError
-    from loop.gate import gate, heldout, log_report
+    from loop.gate import fp_of, gate, heldout, log_report
     from loop.tracking import start_run
 
     p = argparse.ArgumentParser(prog="loop validate", description="the KL gate between two checkpoints")
@@ -68,7 +58,7 @@ def validate_main(argv: list[str]) -> int:
     out = run_dir / "gates" / f"manual-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}"
     with start_run(cfg, "validate (manual)", tags={"phase": "validate", "candidate": a.candidate,
                                                    "serving": a.serving}):
-        g = gate(cfg, a.candidate, a.fp or _fp_of(a.candidate), a.serving, seqs, run_dir, serving_success, out)
+        g = gate(cfg, a.candidate, a.fp or fp_of(a.candidate), a.serving, seqs, run_dir, serving_success, out)
         log_report(g.report)
         mlflow.log_artifacts(str(out), artifact_path="gate")
     print(g.report.summary_line())

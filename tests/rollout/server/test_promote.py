@@ -150,6 +150,31 @@ def test_good_candidate_is_promoted_and_rollback_restores_it_exactly(promo):
     assert _canary_logprobs(server, canary_seqs) == old_logprobs  # the same log-probs, exactly
 
 
+def test_a_stack_change_gates_the_serving_version_again(promo, gate_dataset):
+    """The serving version was gated on another kernel build (its tag says so): the gate runs on
+    it again, against itself, through the engine it runs on now, and its tags move to this stack."""
+    import json
+
+    from loop.gate import heldout, regate_on_stack_change
+    from pipelines.promote import AdminClient, Registry
+
+    cfg, root = promo["cfg"], promo["root"]
+    status = AdminClient(promo["server"].url, ADMIN_TOKEN).status()
+    registry = Registry(cfg.tracking_uri, cfg.promote.model_name)
+    version = registry.alias("serving")
+    assert version.source == status["path"]
+    registry.tag(version.version, stack={**status["stack"], "kernel_build": "_C_OLD"})
+    version = registry.alias("serving")
+    seqs = heldout(cfg, gate_dataset.path)
+    g = regate_on_stack_change(cfg, registry, version, status, seqs, root / "run")
+    assert g is not None and g.report.passed and g.report.stage == "engine", g.report.reasons
+    assert g.report.drift["kl"]["max"] == 0 and g.report.quant["kl"]["mean"] > 0  # itself vs itself; its own damage
+    tags = registry.client.get_model_version(registry.name, version.version).tags
+    assert tags["regate"] == "pass" and json.loads(tags["stack"])["kernel_build"] == detect().kernel_build
+    assert json.loads(tags["regate_stack_change"]) == {"kernel_build": ["_C_OLD", detect().kernel_build]}
+    assert regate_on_stack_change(cfg, registry, registry.alias("serving"), status, seqs, root / "run") is None
+
+
 def test_the_swap_never_accepts_a_nan_candidate(promo, plant):
     plant_damage, _, _ = plant
     server = promo["server"]

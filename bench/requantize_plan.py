@@ -1,0 +1,128 @@
+"""Requantize, measured side by side in one run on the default model:
+
+1. the joint layer-plan search against the one-at-a-time baseline at the same budgets, both
+   searched on the train split and measured again on the held-out split (the issue's target: joint
+   KL <= 0.8x the baseline's), and whether a plan quantizing *more* layers had *lower* KL;
+2. QAT against post-training quantization: KL(full precision || served format, every layer
+   quantized) on the held-out split, of two checkpoints of the same training run (same base,
+   dataset, config and seed) with and without QAT (the issue's target: QAT <= 0.5x PTQ).
+
+    python bench/requantize_plan.py [--checkpoint DIR] [--dataset DIR] [--qat DIR --no-qat DIR]
+                                    [--budgets 2 4 8] [key=value ...]
+
+Defaults: the newest checkpoint and dataset under the config's run_dir (`loop run` makes them);
+without --qat/--no-qat the two checkpoints are trained here (in-process, the config's trainer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def newest(run_dir: str, kind: str) -> str:
+    found = sorted((Path(run_dir) / kind).glob("*/flywheel_manifest.json"))
+    if not found:
+        sys.exit(f"nothing under {run_dir}/{kind}: run `loop run conf/agent_rl.yaml` first, or pass it")
+    return str(found[-1].parent)
+
+
+def heldout_kl(folder_fp: str, full_precision: list[str], spec, seqs) -> float:
+    """KL(fp || folder quantized with `full_precision` kept) on `seqs`, via the plan scorer's model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipelines.requantize import PlanScorer
+
+    model = AutoModelForCausalLM.from_pretrained(folder_fp, dtype=torch.float32)
+    scorer = PlanScorer(model, spec, seqs)
+    plan = frozenset(i for i, u in enumerate(scorer.units) if set(u.layers) <= set(full_precision))
+    return scorer(plan)
+
+
+def plans(ckpt: str, spec, calib, heldout, budgets: list[int]) -> list[dict]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipelines.requantize import RequantizeConfig, search_plan
+
+    rows = []
+    for k in budgets:
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+        t0 = time.perf_counter()
+        plan = search_plan(model, spec, calib, RequantizeConfig(max_full_precision_layers=k, max_evals=400))
+        row = {"budget_layers": k, "search_s": round(time.perf_counter() - t0, 1), "plans_scored": len(plan.evaluated),
+               "calib_joint": plan.joint["kl"], "calib_baseline": plan.one_at_a_time["kl"],
+               "heldout_joint": heldout_kl(ckpt, plan.joint["plan"], spec, heldout),
+               "heldout_baseline": heldout_kl(ckpt, plan.one_at_a_time["plan"], spec, heldout),
+               "heldout_all_quantized": heldout_kl(ckpt, [], spec, heldout),
+               "joint_plan": plan.joint["plan"], "baseline_plan": plan.one_at_a_time["plan"],
+               "more_quantized_lower_kl": len(plan.more_quantized_lower_kl),
+               "example": plan.more_quantized_lower_kl[:1]}
+        rows.append(row)
+        print(f"budget {k} layers: joint {row['calib_joint']:.3e} vs one-at-a-time {row['calib_baseline']:.3e} "
+              f"(calibration, {row['calib_joint'] / row['calib_baseline']:.2f}x); held-out {row['heldout_joint']:.3e} vs "
+              f"{row['heldout_baseline']:.3e} ({row['heldout_joint'] / row['heldout_baseline']:.2f}x); "
+              f"{row['more_quantized_lower_kl']} scored pairs where quantizing one more unit lowered KL", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default=str(REPO / "conf" / "agent_rl.yaml"))
+    ap.add_argument("--checkpoint")
+    ap.add_argument("--dataset")
+    ap.add_argument("--qat")
+    ap.add_argument("--no-qat")
+    ap.add_argument("--budgets", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--sequences", type=int, default=32)
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_intermixed_args()
+    from kernels import QuantSpec
+    from loop.bootstrap import bootstrap
+    from loop.config import load_config
+    from loop.train import qat_spec
+    from pipelines.logits import dataset_sequences
+    from rollout.capabilities import detect
+    from trainers.rl.launch import run_training
+    from trainers.rl.train import TrainJob
+
+    cfg = load_config(a.config, a.overrides)
+    ckpt = a.checkpoint or newest(cfg.run_dir, "checkpoints")
+    dataset = a.dataset or newest(cfg.run_dir, "datasets")
+    fmt, spec_d = qat_spec(cfg)
+    if spec_d is None:
+        sys.exit(f"serve.quant resolves to {fmt} here: nothing to requantize")
+    spec = QuantSpec.from_dict(spec_d)
+    calib = dataset_sequences(dataset, "train", a.sequences)
+    heldout = dataset_sequences(dataset, "heldout", a.sequences)
+    print(f"{detect().describe()}; {fmt}; checkpoint {ckpt}; calibration {calib.num_scored} and held-out "
+          f"{heldout.num_scored} scored tokens", flush=True)
+    rows = plans(ckpt, spec, calib, heldout, a.budgets)
+
+    models = {"qat": a.qat, "no_qat": a.no_qat}
+    tmp = Path(tempfile.mkdtemp(prefix="fw-qat-ptq-"))
+    base = bootstrap(cfg.bootstrap, cfg.task).path
+    ray = dataclasses.replace(cfg.ray)
+    for name, qat in (("qat", True), ("no_qat", False)):
+        if models[name] is None:
+            rl = dataclasses.replace(cfg.trainer, qat=qat, num_workers=0, progress=False)
+            models[name] = run_training(TrainJob(base, dataset, str(tmp / name), rl, spec_d), ray).path
+    qat_kl = {n: heldout_kl(p, [], spec, heldout) for n, p in models.items()}
+    ratio = qat_kl["qat"] / qat_kl["no_qat"]
+    print(f"KL(fp || {fmt}) on held-out: QAT {qat_kl['qat']:.3e}, PTQ {qat_kl['no_qat']:.3e}: {ratio:.2f}x "
+          f"(target <= 0.5x)", flush=True)
+    print(json.dumps({"format": fmt, "checkpoint": ckpt, "dataset": dataset, "plans": rows,
+                      "qat_vs_ptq": {"kl": qat_kl, "ratio": ratio, "checkpoints": models}}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
