@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--dataset")
     ap.add_argument("--qat")
     ap.add_argument("--no-qat")
-    ap.add_argument("--budgets", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--budgets", type=int, nargs="*", default=[2, 4, 8], help="none: skip the plan search")
     ap.add_argument("--sequences", type=int, default=32)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_intermixed_args()

@@ -118,6 +118,25 @@ def ds_tokenizer_path(tiny_base) -> str:
 
 
 @pytest.fixture(scope="session")
+def rl_dataset(ds_episodes, ds_traces, ds_write, ds_tokenizer_path, tmp_path_factory):
+    """The shared episodes with planted rewards: within each group, alternate episodes score 1 and 0
+    (feedback in "override" mode), so every group carries signal; no held-out split."""
+    from pipelines.traces_to_dataset import DatasetConfig, build_dataset
+    from rollout.traces import Feedback
+
+    root = tmp_path_factory.mktemp("rl-data")
+    traces, feedback = [], []
+    for i, (eid, ep) in enumerate(ds_episodes):
+        tr = ds_traces(ep, f"rl-{i // 4}-{i % 4}")  # <run>-<problem>-<sample>: one round
+        traces += tr
+        feedback.append(Feedback(trace_id=tr[-1].trace_id, episode_id=tr[-1].episode_id, reward=float(i % 2),
+                                 source="env:planted", created_at=tr[-1].created_at))
+    ds_write(root / "data", traces, feedback)
+    return build_dataset(DatasetConfig(trace_root=root / "data", out_dir=root / "ds", tokenizer=ds_tokenizer_path,
+                                       heldout_fraction=0.0, feedback_mode="override"))
+
+
+@pytest.fixture(scope="session")
 def gate_dataset(ds_episodes, ds_traces, ds_write, ds_tokenizer_path, tmp_path_factory):
     """The shared episodes as an RL dataset with a held-out split (episodes drawn at 0.4): what
     requantize calibrates on (train) and the KL gate measures on (heldout)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+
 from pipelines.logits import dataset_sequences
 from pipelines.validate import GateConfig, KLGate, write_report
 
