@@ -70,19 +70,3 @@ def quantize_(model: nn.Module, spec: QuantSpec, step: str = "prepare", *,
         _replace(model, name, QuantizedLinear.from_float(layer.weight, layer.bias, spec, impl))
     return model
 
-
-def grid_distance(model: nn.Module) -> torch.Tensor:
-    """Mean squared distance of the prepared layers' latent weights to the grid they will be served
-    on, in quantization steps (0: the latent weights are exactly their served values). The STE
-    gradient does not see where a weight sits inside its bin, so a latent model trained through
-    fake-quant drifts from its quantized self; adding this term (trainer.qat_grid_coef) pulls each
-    weight toward the grid point it serves as, so the served checkpoint stays close to the
-    full-precision one it is cut from."""
-    terms = []
-    for m in model.modules():
-        if isinstance(m, FakeQuantLinear):
-            scale, zero_point = weight_qparams(m.weight.detach(), m.spec, impl=m.impl)
-            target = fake_quant(m.weight.detach(), scale, zero_point, m.spec, impl=m.impl)
-            step = scale.float().repeat_interleave(m.weight.shape[1] // scale.shape[1], dim=1)
-            terms.append((((m.weight - target) / step.clamp_min(1e-12)) ** 2).mean())
-    return torch.stack(terms).mean() if terms else torch.zeros(())

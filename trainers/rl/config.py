@@ -49,10 +49,6 @@ class RLConfig:
     kl_type: str = "low_var_kl"
     # quantization-aware training with the serving format's spec (the loop passes it)
     qat: bool = True
-    # pull the latent weights toward the grid they serve on (trainers.qat.grid_distance, in
-    # quantization steps squared): without it QAT leaves the latent model drifting from its served
-    # self inside each bin; 0 turns it off
-    qat_grid_coef: float = 0.0
     # data parallelism (Ray Train TorchTrainer; 0 runs the same loop in this process)
     num_workers: int = 1
     use_gpu: bool = False
@@ -61,8 +57,6 @@ class RLConfig:
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
-        if not self.qat_grid_coef >= 0:
-            raise ValueError(f"qat_grid_coef must be >= 0, got {self.qat_grid_coef!r}")
         if not 0 < self.lr < 1:
             raise ValueError(f"lr must be in (0, 1), got {self.lr!r}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):

@@ -112,15 +112,8 @@ def train(job: TrainJob, report: Callable[[int, dict], None] = lambda step, m: N
             with torch.no_grad():
                 ref_lp, _ = token_logprobs(ref, mb)
         out = rl_loss(logprobs, prox, mb, rl, info, entropy=entropy, ref_logprobs=ref_lp)
-        loss = out.loss
-        if rl.qat and rl.qat_grid_coef > 0:
-            from trainers.qat import grid_distance
-
-            grid = grid_distance(model)
-            loss = loss + rl.qat_grid_coef * grid
-            out.metrics["qat/grid_distance"] = float(grid.detach())
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        out.loss.backward()
         sum_gradients(params, world)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, rl.grad_clip))
         opt.step()
