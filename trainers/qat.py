@@ -69,4 +69,3 @@ def quantize_(model: nn.Module, spec: QuantSpec, step: str = "prepare", *,
             raise ValueError(f"spec differs from the one {name} was prepared with: {layer.spec}")
         _replace(model, name, QuantizedLinear.from_float(layer.weight, layer.bias, spec, impl))
     return model
-

@@ -125,4 +125,3 @@ def test_convert_is_the_trained_function(spec, tmp_path):
     assert set(a) == set(b)
     for key in a:
         assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
-
