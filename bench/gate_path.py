@@ -6,7 +6,9 @@ default model.
    forward of the full-precision model over the same tokens (the issue's target: within 3.5x).
 2. The whole path on a live server (`loop serve` of the base): requantize, validate (its engine
    stage included), promote (registry, hot-swap, canary), timed per phase; then a rollback puts
-   the base back. Run twice: the first pays for measuring the serving version's eval success once.
+   the base back. Three passes: the configured plan budget twice (the first pays for measuring the
+   serving version's eval success once; a plan other than the engine's swaps in a second engine),
+   then budget 0 (the engine's own plan: an in-place reload).
 
     python bench/gate_path.py [--checkpoint DIR] [--dataset DIR] [--repeats 5] [--no-path] [key=value ...]
 """
@@ -72,7 +74,12 @@ def ckpt_parent(ckpt: str) -> str:
     return parent
 
 
-def whole_path(cfg, ckpt: str, dataset: str, runs: int = 2) -> list[dict]:
+def whole_path(cfg, ckpt: str, dataset: str) -> list[dict]:
+    """Three passes on one server: the configured plan budget twice (the first also measures the
+    serving version's eval success once), then budget 0, the serving engine's own plan (every layer
+    quantized): an in-place reload instead of a second engine."""
+    import dataclasses
+
     from loop.collect import endpoint
     from loop.gate import promote_phase, requantize_phase, validate_phase
     from pipelines.promote import rollback
@@ -80,8 +87,9 @@ def whole_path(cfg, ckpt: str, dataset: str, runs: int = 2) -> list[dict]:
 
     policy = load_checkpoint(ckpt)
     out = []
+    zero = dataclasses.replace(cfg, requantize=dataclasses.replace(cfg.requantize, max_full_precision_layers=0))
     with endpoint(cfg, policy.parent, Path(cfg.run_dir)) as ep:
-        for i in range(runs):
+        for i, cfg in enumerate((cfg, cfg, zero)):
             t = [time.perf_counter()]
             cand = requantize_phase(cfg, policy, dataset, Path(cfg.run_dir))
             t.append(time.perf_counter())
@@ -89,11 +97,11 @@ def whole_path(cfg, ckpt: str, dataset: str, runs: int = 2) -> list[dict]:
             t.append(time.perf_counter())
             outcome = promote_phase(cfg, g, version, registry, server)
             t.append(time.perf_counter())
-            row = {"run": i, "requantize_s": t[1] - t[0], "validate_s": t[2] - t[1], "promote_s": t[3] - t[2],
+            row = {"run": i, "budget_layers": cfg.requantize.max_full_precision_layers, "requantize_s": t[1] - t[0], "validate_s": t[2] - t[1], "promote_s": t[3] - t[2],
                    "total_s": t[3] - t[0], "outcome": outcome.status, "engine_stage_s": g.report.timings.get("engine_s"),
                    "swap": outcome.swap}
             out.append(row)
-            print(f"path {i}: requantize {row['requantize_s']:.1f}s, validate {row['validate_s']:.1f}s (engine stage "
+            print(f"path {i} (plan budget {row['budget_layers']} layers): requantize {row['requantize_s']:.1f}s, validate {row['validate_s']:.1f}s (engine stage "
                   f"{row['engine_stage_s']}s), promote {row['promote_s']:.1f}s (swap mode {outcome.swap.get('mode')}, "
                   f"pause {outcome.swap.get('pause_s', 0):.3f}s): {row['total_s']:.1f}s, {outcome.status} "
                   f"(target < 30 s)", flush=True)

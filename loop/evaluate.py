@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import time
@@ -65,12 +66,15 @@ def _save_logprobs(llm, path: str, seqs_json: str, out_pt: str, k: int) -> None:
 
 def served_success(config: str, model: str, quant: str, overrides: list[str] = (),
                    temperatures: tuple[float, ...] = (1.0,), logprobs: tuple[str, str, int] | None = None) -> dict:
-    """`evaluate_here` in a child process (its engine goes when it exits)."""
+    """`evaluate_here` in a child process (its engine goes when it exits). The child runs vLLM's
+    engine core and worker in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=0): an offline
+    evaluation needs no separate processes, and the engine starts in ~7 s instead of ~25 s here."""
     cmd = [sys.executable, "-m", "loop.evaluate", config, str(model), *overrides, "--quant", quant,
            "--temperature", *map(str, temperatures), "--json"]
     if logprobs:
         cmd += ["--logprobs", logprobs[0], logprobs[1], "--logprobs-k", str(logprobs[2])]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"evaluation of {model} ({quant}) failed:\n{proc.stderr[-3000:]}")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"model"')]  # vLLM logs to stdout too
