@@ -238,8 +238,12 @@ def search_plan(model: nn.Module, spec: QuantSpec, seqs: Sequences, cfg: Requant
     """Both searches on `model` (modified in place: pass a throwaway copy)."""
     t0 = time.perf_counter()
     scorer = PlanScorer(model, spec, seqs)
-    base = one_at_a_time(scorer, cfg)
-    joint_ = joint(scorer, cfg, start=frozenset(base["units"]))
+    if not any(_feasible(scorer, {i}, cfg) for i in range(len(scorer.units))):  # nothing may stay: no search
+        only = {"plan": [], "kl": scorer(frozenset()), "curve": [[0, scorer(frozenset())]], "units": []}
+        base, joint_ = {**only, "sensitivity": {}}, only
+    else:
+        base = one_at_a_time(scorer, cfg)
+        joint_ = joint(scorer, cfg, start=frozenset(base["units"]))
     chosen = joint_ if cfg.search == "joint" else base
     evaluated = [{"full_precision": scorer.layers(p), "layers": len(scorer.layers(p)), "kl": v}
                  for p, v in sorted(scorer.scores.items(), key=lambda kv: kv[1])]

@@ -66,6 +66,7 @@ def test_scored_kl_is_the_written_checkpoints(planned, tiny_base, calibration):
 def test_byte_budget_and_zero_budget(tiny_base, calibration, tmp_path):
     _, plan0 = requantize(tiny_base.path, tmp_path / "q0", SPEC, calibration, RequantizeConfig(max_full_precision_layers=0))
     assert plan0.full_precision == [] and plan0.joint["curve"] == [[0, plan0.kl]]
+    assert len(plan0.evaluated) == 1 and plan0.one_at_a_time["sensitivity"] == {}  # no search to do
     cfg = RequantizeConfig(max_full_precision_layers=99, max_extra_bytes=20_000)
     _, plan = requantize(tiny_base.path, tmp_path / "qb", SPEC, calibration, cfg)
     from transformers import AutoModelForCausalLM
