@@ -98,7 +98,12 @@ def needs_new_engine(path: str, caps=None, current: str | None = None) -> bool:
     caps = caps or detect()
     if not caps.reloads_in_place(serving_format(quant_format(path))):
         return True
-    return current is not None and (needs_new_engine(current, caps) or layer_plan(path) != layer_plan(current))
+    if current is None:
+        return False
+    if needs_new_engine(current, caps):
+        return True
+    plan, serving_plan = layer_plan(path), layer_plan(current)  # a format change is check_folder's to refuse
+    return plan is not None and serving_plan is not None and plan != serving_plan
 
 
 def layer_plan(path: str) -> tuple[str, ...] | None:

@@ -144,3 +144,27 @@ def test_a_keep_swap_pauses_in_place_relabels_and_restores_on_a_bad_canary(folde
     assert engine.weights.path == new and inner.loaded == new and engine.gate.is_open
     labels = [c[1] for c in inner.calls if c[0] == "update_weight_version"]
     assert labels == ["2", "1"]  # the rejected version's tokens keep its label; then back to 1
+
+
+def test_a_folder_with_another_layer_plan_needs_a_second_engine(tmp_path):
+    """An engine's layers are built for one layer plan (config.json `ignore`): a W4A16 folder with
+    other full-precision layers cannot reload in place; a format change is refused elsewhere."""
+    import json
+
+    from rollout.server.swap import needs_new_engine
+
+    def folder(name, ignore=None, bits=4, acts=None):
+        d = tmp_path / name
+        d.mkdir()
+        config = {"architectures": ["Qwen2ForCausalLM"]}
+        if ignore is not None:
+            config["quantization_config"] = {"quant_method": "compressed-tensors", "ignore": ignore, "config_groups": {
+                "group_0": {"weights": {"num_bits": bits}, "input_activations": acts}}}
+        (d / "config.json").write_text(json.dumps(config))
+        return str(d)
+
+    serving = folder("serving", ["lm_head"])
+    assert not needs_new_engine(folder("same", ["lm_head"]), CAPS, current=serving)
+    assert needs_new_engine(folder("other", ["lm_head", "model.layers.0.mlp.down_proj"]), CAPS, current=serving)
+    assert not needs_new_engine(folder("fp"), CAPS, current=serving)  # check_folder's 409, not a second engine
+    assert needs_new_engine(folder("w8a8", ["lm_head"], bits=8, acts={"num_bits": 8}), CAPS, current=serving)
