@@ -1,6 +1,7 @@
-"""The quantized-serving tests again under every other vLLM CPU kernel build this machine can
-run: an AVX-512 machine loads `_C_AVX512` and `_C_AVX2` in every process of a child pytest
-(rollout.capabilities.kernel_build_env), so the AVX2 path is tested without an AVX2 machine. The
+"""The quantized-serving tests (and under AVX2, where W8A8 serves, the KL gate and promotion) again
+under every other vLLM CPU kernel build this machine can run: an AVX-512 machine loads `_C_AVX512`
+and `_C_AVX2` in every process of a child pytest (rollout.capabilities.kernel_build_env), so the
+AVX2 path is tested without an AVX2 machine. The
 session's own build is the main run; a build the CPU cannot run is skipped, with the reason.
 Each child's summary reaches the report as a warning line (visible in CI's output)."""
 
@@ -23,6 +24,8 @@ QUANTIZED_SERVING = [
     "tests/pipelines/test_quantize.py::test_vllm_serves_the_fake_quant_function",
     "tests/rollout/server/test_quantized_serving.py",
 ]
+# W8A8 there (no W4A16 kernel): the gate's twins, engine check and second-engine promotion
+AVX2_ALSO = ["tests/pipelines/test_gate.py", "tests/rollout/server/test_promote.py"]
 
 
 @pytest.mark.slow
@@ -37,7 +40,8 @@ def test_quantized_serving_under_another_kernel_build(isa):
     if isa not in machine_isas():
         pytest.skip(f"this CPU cannot run vLLM's {build} kernels (no {isa.upper()})")
     env = {**os.environ, **kernel_build_env(isa)}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--timeout=900", *QUANTIZED_SERVING]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--timeout=900", *QUANTIZED_SERVING,
+           *(AVX2_ALSO if isa == "avx2" else [])]
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     out = r.stdout + r.stderr
     summary = next((line for line in reversed(out.splitlines()) if re.search(r"\d+ (passed|failed)", line)), "")

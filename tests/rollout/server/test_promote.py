@@ -150,6 +150,29 @@ def test_good_candidate_is_promoted_and_rollback_restores_it_exactly(promo):
     assert _canary_logprobs(server, canary_seqs) == old_logprobs  # the same log-probs, exactly
 
 
+def test_a_canary_that_disagrees_with_the_gate_swaps_back(promo, gate_dataset):
+    """After the swap the server must reproduce the log-probs the gate measured; here the expected
+    ones are off by 0.5 nats, so promote swaps the old version back and tags the new one."""
+    from loop.gate import heldout
+    from pipelines.promote import AdminClient, Registry, promote
+
+    cfg, server = promo["cfg"], promo["server"]
+    client = AdminClient(server.url, ADMIN_TOKEN)
+    registry = Registry(cfg.tracking_uri, cfg.promote.model_name)
+    before = client.status()
+    serving = registry.alias("serving")
+    seqs = heldout(cfg, gate_dataset.path).head(2)
+    wrong = [[lp + 0.5 for lp in row] for row in _canary_logprobs(server, seqs)]
+    version = registry.register(promo["good"], {"status": "candidate"})
+    outcome = promote(registry, client, version, promo["good"], cfg.promote, seqs, wrong)
+    assert outcome.status == "rolled_back" and "swapped back (200)" in outcome.reason
+    assert outcome.canary["mean_abs_dlogprob"] > 0.3 > cfg.promote.canary_tolerance
+    after = client.status()
+    assert after["path"] == before["path"] and after["weight_version"] == before["weight_version"] + 2
+    assert registry.alias("serving").version == serving.version  # the aliases did not move
+    assert registry.client.get_model_version(registry.name, version.version).tags["status"] == "rolled_back"
+
+
 def test_a_stack_change_gates_the_serving_version_again(promo, gate_dataset):
     """The serving version was gated on another kernel build (its tag says so): the gate runs on
     it again, against itself, through the engine it runs on now, and its tags move to this stack."""
