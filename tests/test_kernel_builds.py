@@ -1,9 +1,9 @@
 """The quantized-serving tests (and under AVX2, where W8A8 serves, the KL gate and promotion) again
 under every other vLLM CPU kernel build this machine can run: an AVX-512 machine loads `_C_AVX512`
 and `_C_AVX2` in every process of a child pytest (rollout.capabilities.kernel_build_env), so the
-AVX2 path is tested without an AVX2 machine. The
-session's own build is the main run; a build the CPU cannot run is skipped, with the reason.
-Each child's summary reaches the report as a warning line (visible in CI's output)."""
+AVX2 path is tested without an AVX2 machine. The session's own build is the main run; a build
+the CPU cannot run is skipped, with the reason. Each child's summary reaches the report as a
+warning line (visible in CI's output)."""
 
 from __future__ import annotations
 
