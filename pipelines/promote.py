@@ -79,11 +79,12 @@ class Registry:
 
     def __init__(self, tracking_uri: str, name: str):
         from mlflow import MlflowClient
+        from mlflow.exceptions import MlflowException
 
         self.client, self.name = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri), name
         try:
             self.client.get_registered_model(name)
-        except Exception:
+        except MlflowException:  # RESOURCE_DOES_NOT_EXIST
             self.client.create_registered_model(name, description="Flywheel policy versions, as served "
                                                 "(quantized); aliases serving / previous / candidate / rejected")
 
@@ -92,9 +93,11 @@ class Registry:
                                                 tags={k: _tag(v) for k, v in tags.items()})
 
     def alias(self, alias: str):
+        from mlflow.exceptions import MlflowException
+
         try:
             return self.client.get_model_version_by_alias(self.name, alias)
-        except Exception:
+        except MlflowException:  # no such alias
             return None
 
     def set_alias(self, alias: str, version) -> None:
