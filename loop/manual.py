@@ -17,11 +17,22 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 
+def _parse(p: argparse.ArgumentParser, argv: list[str]):
+    """(args, the LoopConfig of args.config + args.overrides), or (args, None) after a config error."""
+    from loop.config import load_config
+    from loop.configs import ConfigError
+
+    a = p.parse_intermixed_args(argv)
+    try:
+        return a, load_config(a.config, a.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return a, None
+
+
 def validate_main(argv: list[str]) -> int:
     import mlflow
 
-    from loop.config import load_config
-    from loop.configs import ConfigError
     from loop.gate import fp_of, gate, heldout, log_report
     from loop.tracking import start_run
 
@@ -32,11 +43,8 @@ def validate_main(argv: list[str]) -> int:
     p.add_argument("overrides", nargs="*")
     p.add_argument("--fp", help="the candidate's full-precision weights (default: its manifest's parent)")
     p.add_argument("--dataset", help="an RL dataset folder (default: the newest under <run_dir>/datasets)")
-    a = p.parse_intermixed_args(argv)
-    try:
-        cfg = load_config(a.config, a.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    a, cfg = _parse(p, argv)
+    if cfg is None:
         return 2
     dataset = a.dataset or max((str(d) for d in (Path(cfg.run_dir) / "datasets").glob("*") if d.is_dir()), default=None)
     if dataset is None:
@@ -67,19 +75,14 @@ def validate_main(argv: list[str]) -> int:
 
 
 def rollback_main(argv: list[str]) -> int:
-    from loop.config import load_config
-    from loop.configs import ConfigError
     from pipelines.promote import AdminClient, Registry, rollback
 
     p = argparse.ArgumentParser(prog="loop rollback", description="put the `previous` version back")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--endpoint", help="the server (default: collect.endpoint)")
-    a = p.parse_intermixed_args(argv)
-    try:
-        cfg = load_config(a.config, a.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    a, cfg = _parse(p, argv)
+    if cfg is None:
         return 2
     url = a.endpoint or cfg.collect.endpoint
     if not url:
