@@ -82,7 +82,7 @@ def whole_path(cfg, ckpt: str, dataset: str) -> list[dict]:
 
     from loop.collect import endpoint
     from loop.gate import promote_phase, requantize_phase, validate_phase
-    from pipelines.promote import rollback
+    from pipelines.promote import AdminClient, Registry, rollback
     from trainers.rl.manifest import load_checkpoint
 
     policy = load_checkpoint(ckpt)
@@ -93,9 +93,10 @@ def whole_path(cfg, ckpt: str, dataset: str) -> list[dict]:
             t = [time.perf_counter()]
             cand = requantize_phase(cfg, policy, dataset, Path(cfg.run_dir))
             t.append(time.perf_counter())
-            g, version, registry, server = validate_phase(cfg, cand, ep, Path(cfg.run_dir))
+            verdict = validate_phase(cfg, cand, ep, Path(cfg.run_dir))
+            g = verdict.gate
             t.append(time.perf_counter())
-            outcome = promote_phase(cfg, g, version, registry, server)
+            outcome = promote_phase(cfg, verdict, ep)
             t.append(time.perf_counter())
             row = {"run": i, "budget_layers": cfg.requantize.max_full_precision_layers, "requantize_s": t[1] - t[0], "validate_s": t[2] - t[1], "promote_s": t[3] - t[2],
                    "total_s": t[3] - t[0], "outcome": outcome.status, "engine_stage_s": g.report.timings.get("engine_s"),
@@ -106,7 +107,7 @@ def whole_path(cfg, ckpt: str, dataset: str) -> list[dict]:
                   f"pause {outcome.swap.get('pause_s', 0):.3f}s): {row['total_s']:.1f}s, {outcome.status} "
                   f"(target < 30 s)", flush=True)
             if outcome.status == "serving":
-                rollback(registry, server)
+                rollback(Registry(cfg.tracking_uri, cfg.promote.model_name), AdminClient(ep.url, ep.admin_token))
     return out
 
 

@@ -2,7 +2,8 @@
 
     loop run CONFIG [key=value ...]        bootstrap the base model if needed, then run the loop
     loop bootstrap CONFIG [key=value ...]  build (or reuse) the base model and measure it on vLLM
-    loop ui CONFIG                         open the MLflow UI on the run's tracking store
+    loop ui CONFIG [--port P]              the MLflow UI on the run's tracking store (light: one worker)
+    loop status CONFIG [key=value ...]     the serving version, the last cycles, where traces and MLflow are
     loop serve CONFIG [key=value ...]      serve the model (serve.model, else the base) over HTTP
     loop config CONFIG [key=value ...]     print the resolved config
     loop eval CONFIG MODEL [--quant FMT]   task success of MODEL as served (quantized) on vLLM
@@ -28,6 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (("run", "run the loop"), ("bootstrap", "build the base model"),
                         ("config", "print the resolved config"), ("ui", "open the MLflow UI"),
+                        ("status", "where the run stands: serving version, last cycles, stores"),
                         ("serve", "serve the model over the OpenAI API, traced"),
                         ("eval", "task success of a checkpoint as served (loop eval -h)"),
                         ("validate", "the KL gate between two checkpoints (loop validate -h)"),
@@ -37,6 +39,7 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("overrides", nargs="*", help="Hydra-style overrides: key.sub=value")
         if name == "ui":
             sp.add_argument("--port", type=int, default=5000)
+            sp.add_argument("--host", default="127.0.0.1")
     return p
 
 
@@ -62,9 +65,16 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(asdict(cfg), indent=2))
         return 0
     if args.command == "ui":
-        cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", cfg.tracking_uri, "--port", str(args.port)]
-        print(" ".join(cmd))
-        return subprocess.call(cmd)
+        from loop.status import ui_command
+
+        cmd, env = ui_command(cfg, args.port, args.host)
+        print(f"MLflow UI on {cfg.tracking_uri}: http://{args.host}:{args.port}", flush=True)
+        return subprocess.call(cmd, env=env)
+    if args.command == "status":
+        from loop.status import status_lines
+
+        print("\n".join(status_lines(cfg)))
+        return 0
     if args.command == "serve":
         from loop.serving import engine_for, resolve
         from rollout.server import serve

@@ -64,11 +64,12 @@ class DatasetPhaseConfig:
         self.dataset(Path("."), Path("."), "checked", "raw_logprobs")  # DatasetConfig's checks, at load time
 
     def dataset(self, trace_root: Path, out_dir: Path, tokenizer: str, logprobs_mode: str,
-                dates: tuple[str, ...] | None = None, weight_versions: tuple[int, ...] | None = None):
+                dates: tuple[str, ...] | None = None, weight_versions: tuple[int, ...] | None = None,
+                since: str | None = None):
         from pipelines.traces_to_dataset import DatasetConfig
 
         return DatasetConfig(trace_root=trace_root, out_dir=out_dir, tokenizer=tokenizer, dates=dates,
-                             weight_versions=weight_versions, heldout_fraction=self.heldout_fraction,
+                             weight_versions=weight_versions, since=since, heldout_fraction=self.heldout_fraction,
                              heldout_unit=self.heldout_unit, seed=self.seed, reward_fn=self.reward_fn,
                              feedback_mode=self.feedback_mode, logprobs_mode=logprobs_mode)
 
@@ -80,6 +81,7 @@ class CollectManifest:
     run_id: str  # prefixes the episode ids
     dates: tuple[str, ...]  # UTC dates the collection ran on (trace partitions)
     weight_versions: tuple[int, ...]  # served versions seen in the responses
+    started_at: str  # ISO-8601 UTC: the dataset reads traces from then on (not an earlier, killed try's)
     episodes: int
     episodes_ok: int
     success: float  # mean task reward of the ok episodes
@@ -88,6 +90,10 @@ class CollectManifest:
     retries: int = 0
     tokens_sampled: int = 0
     seconds: float = 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CollectManifest":
+        return cls(**{**d, "dates": tuple(d["dates"]), "weight_versions": tuple(d["weight_versions"])})
 
     @property
     def episodes_per_s(self) -> float:
@@ -124,8 +130,9 @@ def endpoint(cfg, model: str | Path, run_dir: Path):
         yield Endpoint(srv.url, srv.admin_token, srv)
 
 
-def collect_phase(cfg, ep: Endpoint, tokenizer_path: str | Path) -> CollectManifest:
-    """Play the episodes through the endpoint, then have its traces flushed to Parquet."""
+def collect_phase(cfg, ep: Endpoint, tokenizer_path: str | Path, problem_seed: int | None = None) -> CollectManifest:
+    """Play the episodes through the endpoint, then have its traces flushed to Parquet. The
+    problems are the task's train split drawn with `problem_seed` (default `collect.problem_seed`)."""
     from transformers import AutoTokenizer
 
     from rollout.collector import collect_sync
@@ -133,9 +140,10 @@ def collect_phase(cfg, ep: Endpoint, tokenizer_path: str | Path) -> CollectManif
     from rollout.task import make_problems
 
     c = cfg.collect
-    problems = make_problems("train", c.num_problems, seed=c.problem_seed)
+    problems = make_problems("train", c.num_problems, seed=c.problem_seed if problem_seed is None else problem_seed)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
-    first_date = _utc_date()
+    started = datetime.now(timezone.utc)
+    first_date = started.date().isoformat()
     ccfg = c.collector(ep.url)
     # as the server's client, this process runs on its front-end cores, off the worker's
     near = ep.process is not None and cfg.engine.reserves_front_end()
@@ -149,7 +157,8 @@ def collect_phase(cfg, ep: Endpoint, tokenizer_path: str | Path) -> CollectManif
     versions = sorted({t.weight_version for r in results for t in r.turns if t.weight_version is not None})
     return CollectManifest(
         endpoint=ccfg.base_url, trace_root=str(cfg.serve.trace_root), run_id=ccfg.run_id,
-        dates=tuple(sorted({first_date, _utc_date()})), weight_versions=tuple(versions), episodes=stats.episodes,
+        dates=tuple(sorted({first_date, _utc_date()})), weight_versions=tuple(versions),
+        started_at=started.isoformat(), episodes=stats.episodes,
         episodes_ok=stats.episodes_ok, success=sum(r.reward for r in ok) / max(1, len(ok)), group_successes=groups,
         requests=stats.requests, retries=stats.retries, tokens_sampled=stats.tokens_sampled, seconds=stats.seconds)
 
@@ -174,7 +183,8 @@ def dataset_phase(cfg, collected: CollectManifest, tokenizer: str, run_dir: Path
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = run_dir / "datasets" / f"{stamp}-{collected.run_id}"
     return build_dataset(cfg.dataset.dataset(Path(collected.trace_root), out, tokenizer, cfg.serve.logprobs_mode,
-                                             dates=collected.dates, weight_versions=collected.weight_versions or None))
+                                             dates=collected.dates, weight_versions=collected.weight_versions or None,
+                                             since=collected.started_at))
 
 
 def log_collect(collected: CollectManifest, dataset) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from loop.bootstrap import BootstrapConfig, TaskConfig
 from loop.collect import CollectConfig, DatasetPhaseConfig
 from loop.configs import load
+from loop.cycle import CycleConfig
 from pipelines.promote import PromoteConfig
 from pipelines.requantize import RequantizeConfig
 from pipelines.validate import GateConfig
@@ -29,6 +30,7 @@ class MlflowConfig:
 @dataclass
 class LoopConfig:
     run_dir: str = "runs/agent_rl"
+    loop: CycleConfig = field(default_factory=CycleConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)

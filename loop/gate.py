@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from loop.configs import to_yaml
@@ -33,6 +33,16 @@ class Candidate:
     parent: str  # the checkpoint it was trained from
     dataset: str
     seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {
+            "plan": self.plan.to_dict() if self.plan is not None else None}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Candidate":
+        from pipelines.requantize import LayerPlan
+
+        return cls(**{**d, "plan": LayerPlan(**d["plan"]) if d.get("plan") else None})
 
 
 def requantize_phase(cfg, ckpt, dataset_path: str, run_dir: Path) -> Candidate:
@@ -182,9 +192,28 @@ def gate(cfg, candidate: str, fp: str | None, serving: str, seqs, run_dir: Path,
     return g
 
 
-def validate_phase(cfg, cand: Candidate, ep, run_dir: Path):
-    """Gate `cand` against what the endpoint serves; register it (alias `candidate`).
-    Returns (KLGate, registry version, Registry, AdminClient)."""
+@dataclass(frozen=True)
+class Verdict:
+    """What validate hands promote, as plain data (the loop's state file keeps it across a kill)."""
+    passed: bool
+    reasons: list
+    candidate: str  # the folder gated
+    version: str  # its registry version
+    canary: dict  # {"ids", "sampled", "source", "expected"}: held-out sequences and the gate's engine log-probs
+    summary: dict  # success and KL numbers for the display and the cycle's run
+    gate: object = field(default=None, repr=False, compare=False)  # the KLGate, in the process that ran it
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "gate"}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Verdict":
+        return cls(**d)
+
+
+def validate_phase(cfg, cand: Candidate, ep, run_dir: Path, tags: dict | None = None) -> Verdict:
+    """Gate `cand` against what the endpoint serves; register it (alias `candidate`) with `tags`
+    too. A version already registered with the same `tags` (a killed try's) is reused."""
     import mlflow
 
     from loop.tracking import start_run
@@ -195,7 +224,8 @@ def validate_phase(cfg, cand: Candidate, ep, run_dir: Path):
     registry = Registry(cfg.tracking_uri, cfg.promote.model_name)
     serving_v = registry.serving_version(status["path"], tags={
         "stack": status["stack"], "checkpoint_sha256": status["checkpoint_sha256"],
-        "server_weight_version": status["weight_version"], "format": status["stack"].get("quant_format", "")})
+        "server_weight_version": status["weight_version"], "format": status["stack"].get("quant_format", ""),
+        "fp_path": fp_of(status["path"]) or ""})
     seqs = heldout(cfg, cand.dataset)
     regate_on_stack_change(cfg, registry, serving_v, status, seqs, run_dir)
     with start_run(cfg, "validate", tags={"phase": "validate", "candidate": cand.path, "serving": status["path"],
@@ -206,16 +236,24 @@ def validate_phase(cfg, cand: Candidate, ep, run_dir: Path):
         r = g.report
         log_report(r)
         mlflow.log_artifacts(str(run_dir / "gates" / Path(cand.path).name), artifact_path="gate")
-        tags = {"parent": cand.parent, "dataset": cand.dataset, "format": cand.fmt, "stack": r.stack,
-                "plan_full_precision": cand.plan.full_precision if cand.plan else [], "gate": "pass" if r.passed else "fail",
-                "kl_quant": r.quant.get("kl", {}), "kl_drift": r.drift.get("kl", {}), "status": "candidate",
-                f"eval_success_T{cfg.collect.rollout.temperature}_n{cfg.task.num_eval_problems}_seed{cfg.task.seed}":
-                    r.eval.get("candidate_success", float("nan")), "fp_path": cand.fp or ""}
-        version = registry.register(cand.path, tags, run_id=mlflow.active_run().info.run_id)
+        success_key = f"eval_success_T{cfg.collect.rollout.temperature}_n{cfg.task.num_eval_problems}_seed{cfg.task.seed}"
+        version_tags = {
+            "parent": cand.parent, "dataset": cand.dataset, "format": cand.fmt, "stack": r.stack,
+            "plan_full_precision": cand.plan.full_precision if cand.plan else [], "gate": "pass" if r.passed else "fail",
+            "kl_quant": r.quant.get("kl", {}), "kl_drift": r.drift.get("kl", {}), "status": "candidate",
+            success_key: r.eval.get("candidate_success", float("nan")), "fp_path": cand.fp or "", **(tags or {})}
+        version = (registry.find(**tags) if tags else None) or registry.register(
+            cand.path, version_tags, run_id=mlflow.active_run().info.run_id)
         registry.set_alias("candidate", version.version)
         mlflow.set_tag("registry_version", version.version)
     print(f"[loop] {r.summary_line()} (registry {registry.name} v{version.version})", flush=True)
-    return g, version, registry, server
+    canary_seqs, expected = canary_expectation(g, cfg.promote.canary_sequences) if r.passed else (seqs.head(0), [])
+    return Verdict(r.passed, list(r.reasons), cand.path, str(version.version),
+                   {"ids": canary_seqs.ids, "sampled": canary_seqs.sampled, "source": canary_seqs.source,
+                    "expected": expected},
+                   {"candidate_success": r.eval.get("candidate_success"), "serving_success": r.eval.get("serving_success"),
+                    "serving_version": str(serving_v.version), "kl_quant_mean": r.quant.get("kl", {}).get("mean"),
+                    "kl_drift_mean": r.drift.get("kl", {}).get("mean"), "episode_kl": g.per_episode()}, g)
 
 
 STACK_KEYS = ("engine", "engine_version", "quant_format", "kernel_build", "device", "torch_version")
@@ -291,24 +329,28 @@ def canary_expectation(g, n: int):
     return seqs, out
 
 
-def promote_phase(cfg, g, version, registry, server):
+def promote_phase(cfg, v: Verdict, ep):
     """Swap a passing candidate in (canary-checked), or record it as rejected."""
     import mlflow
 
     from loop.tracking import start_run
-    from pipelines.promote import promote, reject
+    from pipelines.logits import Sequences
+    from pipelines.promote import AdminClient, Registry, promote, reject
 
-    with start_run(cfg, "promote", tags={"phase": "promote", "registry_version": version.version}):
-        if g.report.passed:
-            seqs, expected = canary_expectation(g, cfg.promote.canary_sequences)
-            outcome = promote(registry, server, version, g.candidate, cfg.promote, seqs, expected)
+    registry, server = Registry(cfg.tracking_uri, cfg.promote.model_name), AdminClient(ep.url, ep.admin_token)
+    version = registry.client.get_model_version(registry.name, v.version)
+    with start_run(cfg, "promote", tags={"phase": "promote", "registry_version": v.version}):
+        if v.passed:
+            c = v.canary
+            seqs = Sequences(tuple(map(tuple, c["ids"])), tuple(map(tuple, c["sampled"])), c["source"])
+            outcome = promote(registry, server, version, v.candidate, cfg.promote, seqs, c["expected"])
         else:
-            outcome = reject(registry, version, g.report.reasons)
+            outcome = reject(registry, version, v.reasons)
         mlflow.set_tags({"outcome": outcome.status, "reason": outcome.reason[:4000]})
         mlflow.log_dict(outcome.__dict__, "promote_outcome.json")
         if outcome.swap:
             mlflow.log_metrics({"promote/pause_s": outcome.swap.get("pause_s", 0.0), "promote/seconds": outcome.seconds,
                                 "promote/server_weight_version": outcome.swap.get("weight_version", -1)})
-    print(f"[loop] registry {registry.name} v{version.version}: {outcome.status}"
+    print(f"[loop] registry {registry.name} v{v.version}: {outcome.status}"
           f"{' (' + outcome.reason + ')' if outcome.reason else ''}", flush=True)
     return outcome

@@ -1,10 +1,11 @@
-"""The loop, one phase a line, each timed.
+"""`loop run`: the base model once, then `loop.cycles` cycles on one server (loop/cycle.py).
 
-    bootstrap -> collect -> build_dataset -> train -> requantize -> validate -> promote
+    bootstrap -> [collect -> build_dataset -> train -> requantize -> validate -> promote] x N
 
 Each phase is a function from a typed artifact (a manifest dataclass) to the next. One server (a
-`loop serve` child, or `collect.endpoint`) serves the whole cycle: the traffic is collected from
-it and the promoted checkpoint is hot-swapped into it.
+`loop serve` child, or `collect.endpoint`) serves every cycle: the traffic is collected from it
+and each promoted checkpoint is hot-swapped into it. The run's state is on disk: the same command
+after a kill (or Ctrl-C) continues from the phase it was in.
 """
 
 from __future__ import annotations
@@ -14,11 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from loop.bootstrap import BaseModelManifest, bootstrap, evaluate_with_vllm
-from loop.collect import CollectManifest, Endpoint, collect_phase, dataset_phase, endpoint, log_collect
 from loop.config import LoopConfig
-from loop.gate import promote_phase, requantize_phase, validate_phase
-from loop.train import train_phase
-from trainers.rl.data import NoSignal
 
 
 @contextmanager
@@ -30,8 +27,9 @@ def phase(name: str, timings: dict):
     print(f"[loop] {name} done in {timings[name]:.1f}s", flush=True)
 
 
-def bootstrap_phase(cfg: LoopConfig) -> BaseModelManifest:
-    """The base model (built or reused), its base success measured on vLLM, logged to MLflow."""
+def bootstrap_phase(cfg: LoopConfig, log: bool = True) -> BaseModelManifest:
+    """The base model (built or reused), its base success measured on vLLM, logged to MLflow
+    (when `log`: a run of its own, or a child of the active one)."""
     import mlflow
 
     from loop.tracking import log_curve, start_run
@@ -46,7 +44,10 @@ def bootstrap_phase(cfg: LoopConfig) -> BaseModelManifest:
           f"{base.sft_steps} SFT steps ({base.sft_seconds:.0f}s); success on {base.eval.get('num_problems')} "
           f"eval problems via vLLM: greedy {base.eval.get('vllm_greedy', float('nan')):.1%}, "
           f"T=1.0 {base.eval.get('vllm_t1', float('nan')):.1%}")
-    with start_run(cfg, "bootstrap", tags={"phase": "bootstrap", "base_key": base.key}):
+    if not log:
+        return base
+    with mlflow.start_run(run_name="bootstrap", nested=True, tags={"phase": "bootstrap", "base_key": base.key}) \
+            if mlflow.active_run() else start_run(cfg, "bootstrap", tags={"phase": "bootstrap", "base_key": base.key}):
         client, run_id = mlflow.tracking.MlflowClient(), mlflow.active_run().info.run_id
         now = int(time.time() * 1000)
         metrics = [mlflow.entities.Metric(k, v, now, h["step"]) for h in base.sft_history
@@ -63,51 +64,63 @@ def bootstrap_phase(cfg: LoopConfig) -> BaseModelManifest:
     return base
 
 
-def collect_and_build(cfg: LoopConfig, base: BaseModelManifest, ep: Endpoint) -> tuple[CollectManifest, object]:
-    """Traffic through the endpoint (the base model served) -> an RL dataset, one MLflow run."""
-    import mlflow
-
-    from loop.tracking import start_run
-
-    timings: dict = {}
-    with start_run(cfg, "collect", tags={"phase": "collect", "base_key": base.key}):
-        with phase("collect", timings):
-            collected = collect_phase(cfg, ep, base.path)
-        print(f"[loop] collected {collected.episodes} episodes ({collected.episodes_ok} ok) in "
-              f"{collected.seconds:.1f}s: {collected.episodes_per_s:.1f} episodes/s, success {collected.success:.1%}, "
-              f"{collected.retries} retries", flush=True)
-        with phase("build_dataset", timings):
-            dataset = dataset_phase(cfg, collected, str(base.path), Path(cfg.run_dir))
-        dropped = {**dataset.dropped_rows, **dataset.dropped_episodes}
-        others = dataset.kept_episodes - collected.episodes_ok
-        print(f"[loop] dataset {dataset.path}: {dataset.train_episodes} train + {dataset.heldout_episodes} held-out "
-              f"episodes in {dataset.groups} groups from {dataset.rows_read} trace rows"
-              f"{f' ({others} more than collected: other traffic in the window)' if others > 0 else ''}; dropped "
-              f"{', '.join(f'{k} {v}' for k, v in dropped.items() if v) or 'nothing'}", flush=True)
-        log_collect(collected, dataset)
-        mlflow.log_metrics({f"time/{k}": v for k, v in timings.items()})
-    return collected, dataset
-
-
 def run(cfg: LoopConfig) -> int:
-    base = bootstrap_phase(cfg)
+    """Resume the unfinished run in cfg.run_dir, or start one; run its cycles; 0 when all ran."""
+    from loop.collect import endpoint
+    from loop.configs import flatten, to_dict
+    from loop.cycle import (Display, Loop, cycle, log_loop_summary, next_weight_version, serving_start,
+                            sweep_partial, with_weight_version)
+    from loop.state import LoopState
+    from loop.tracking import find_run, open_run
+    from trainers.rl.launch import shutdown_ray
+
     run_dir = Path(cfg.run_dir)
-    timings: dict = {}
-    with endpoint(cfg, base.path, run_dir) as ep:
-        _, dataset = collect_and_build(cfg, base, ep)
-        try:
-            with phase("train", timings):
-                ckpt = train_phase(cfg, base.path, dataset, run_dir)
-        except NoSignal as e:
-            print(f"[loop] nothing to train on, no new checkpoint this cycle: {e}", flush=True)
-            return 0
-        with phase("requantize", timings):
-            candidate = requantize_phase(cfg, ckpt, dataset.path, run_dir)
-        with phase("validate", timings):
-            gate, version, registry, server = validate_phase(cfg, candidate, ep, run_dir)
-        with phase("promote", timings):
-            outcome = promote_phase(cfg, gate, version, registry, server)
-    path_s = sum(timings[k] for k in ("requantize", "validate", "promote"))
-    print(f"[loop] cycle done: {outcome.status} (registry v{outcome.version}); requantize -> validate -> promote "
-          f"took {path_s:.1f}s ({', '.join(f'{k} {v:.1f}s' for k, v in timings.items())})", flush=True)
+    state = LoopState.open(run_dir, flatten(to_dict(cfg)))
+    resumed = bool(state.cycles)
+    if resumed:
+        left = [c.k for c in state.cycles if not c.finished]
+        print(f"[loop] resuming run {state.loop_id} at cycle {left[0] if left else len(state.cycles) + 1}"
+              f"{' (removed ' + str(len(g)) + ' half-written folders)' if (g := sweep_partial(run_dir)) else ''}",
+              flush=True)
+    tags = {"loop_id": state.loop_id, "kind": "loop"}
+    state.run_id = state.run_id or find_run(cfg, **tags)
+    display = Display(cfg.loop.cycles)
+    t0 = time.perf_counter()
+    try:
+        with open_run(cfg, f"loop {state.loop_id}", tags, run_id=state.run_id) as parent:
+            state.run_id = parent.info.run_id
+            state.save()
+            base = bootstrap_phase(cfg, log=not state.base)
+            state.base = state.base or {"path": str(base.path), "key": base.key, "eval": base.eval}
+            state.serving = serving_start(cfg, state, str(base.path))
+            state.save()
+            version = next_weight_version(cfg.serve.trace_root)
+            with endpoint(with_weight_version(cfg, version), state.serving["path"], run_dir) as ep:
+                lp = Loop(cfg, state, ep, str(base.path), display)
+                for k in range(1, cfg.loop.cycles + 1):
+                    c = state.cycle(k)
+                    if c.finished:
+                        continue
+                    ctags = {"loop_id": state.loop_id, "loop_cycle": str(k)}
+                    c.run_id = c.run_id or find_run(cfg, **ctags)
+                    with open_run(cfg, f"cycle {k}", ctags, run_id=c.run_id, nested=True) as crun:
+                        c.run_id = crun.info.run_id
+                        state.save()
+                        cycle(lp, k)
+                    log_loop_summary(state, cfg.collect.rollout.temperature)
+            state.finished = True
+            state.save()
+    except KeyboardInterrupt:
+        where = next((f"cycle {c.k}, after {list(c.done)[-1] if c.done else 'nothing'}" for c in state.cycles
+                      if not c.finished), "between cycles")
+        print(f"\n[loop] interrupted ({where}); the server and Ray are stopped. Run the same command to "
+              f"continue: the state is in {state.path}", flush=True)
+        return 130
+    finally:
+        shutdown_ray()
+    served = [c for c in state.cycles if c.outcome == "serving"]
+    print(f"[loop] {len(state.cycles)} cycles in {time.perf_counter() - t0:.0f}s: "
+          f"{', '.join(f'{c.k} {c.outcome}' for c in state.cycles)}; serving {state.serving['path']}"
+          f"{' (registry v' + str(state.serving['version']) + ')' if state.serving.get('version') else ''}; "
+          f"{len(served)} promoted", flush=True)
     return 0

@@ -3,12 +3,31 @@
 from __future__ import annotations
 
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from loop.configs import flatten, to_dict
 
 
+@contextmanager
 def start_run(cfg, run_name: str, tags: dict | None = None):
+    """A phase's MLflow run. Inside an active run (a loop cycle's, loop/cycle.py) the phase logs
+    into that one, its tags prefixed with its name (`train.qat`); alone, it opens a run of its own
+    with the resolved config as params."""
+    import mlflow
+
+    tags = tags or {}
+    if mlflow.active_run() is not None:
+        prefix = tags.get("phase", run_name)
+        mlflow.set_tags({f"{prefix}.{k}": v for k, v in tags.items() if k != "phase"})
+        yield mlflow.active_run()
+        return
+    with open_run(cfg, run_name, tags) as run:
+        yield run
+
+
+def use_store(cfg) -> str:
+    """Point MLflow at the config's tracking store and experiment; the experiment's id."""
     import mlflow
 
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
@@ -17,11 +36,32 @@ def start_run(cfg, run_name: str, tags: dict | None = None):
         # the run's own store keeps its artifacts beside it, not in ./mlruns of whatever directory
         mlflow.create_experiment(cfg.mlflow.experiment,
                                  artifact_location=(Path(cfg.run_dir) / "artifacts").resolve().as_uri())
-    mlflow.set_experiment(cfg.mlflow.experiment)
-    run = mlflow.start_run(run_name=run_name, tags=tags or {})
+    return mlflow.set_experiment(cfg.mlflow.experiment).experiment_id
+
+
+def open_run(cfg, run_name: str, tags: dict, run_id: str | None = None, nested: bool = False):
+    """A new run with the resolved config as params (or `run_id` reopened, params as logged then);
+    use with `with`."""
+    import mlflow
+
+    use_store(cfg)
+    run = mlflow.start_run(run_id=run_id, run_name=None if run_id else run_name, tags=tags, nested=nested)
+    if run_id:
+        return run
     params = {k: ("None" if v is None else v) for k, v in flatten(to_dict(cfg)).items()}
     mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
     return run
+
+
+def find_run(cfg, **tags) -> str | None:
+    """The id of a run of the config's experiment with all of `tags`, or None (the loop's resume
+    finds a run a killed `loop run` created but had not yet written down)."""
+    import mlflow
+
+    exp = use_store(cfg)
+    query = " and ".join(f"tags.{k} = '{v}'" for k, v in tags.items())
+    runs = mlflow.search_runs([exp], filter_string=query, output_format="list", max_results=1)
+    return runs[0].info.run_id if runs else None
 
 
 def log_curve(history: list[dict], key: str, name: str, title: str) -> None:

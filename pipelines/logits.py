@@ -23,6 +23,7 @@ class Sequences:
     ids: tuple[tuple[int, ...], ...]
     sampled: tuple[tuple[int, ...], ...]  # per sequence: 1 where the token was sampled by the policy
     source: str  # "<dataset folder>:<split>"
+    episode_ids: tuple[str, ...] = ()  # per sequence, when drawn from a dataset
 
     @property
     def num_scored(self) -> int:
@@ -33,7 +34,7 @@ class Sequences:
         return sum(len(s) for s in self.ids)
 
     def head(self, n: int) -> "Sequences":
-        return Sequences(self.ids[:n], self.sampled[:n], self.source)
+        return Sequences(self.ids[:n], self.sampled[:n], self.source, self.episode_ids[:n])
 
 
 def dataset_sequences(dataset: str | Path, split: str, max_sequences: int, seed: int = 0) -> Sequences:
@@ -58,7 +59,7 @@ def dataset_sequences(dataset: str | Path, split: str, max_sequences: int, seed:
     rows.sort(key=lambda r: hashlib.sha256(f"{seed}:{r['episode_id']}".encode()).hexdigest())
     rows = rows[:max_sequences]
     return Sequences(tuple(tuple(r["input_ids"]) for r in rows), tuple(tuple(r["assistant_mask"]) for r in rows),
-                     f"{folder}:{split}")
+                     f"{folder}:{split}", tuple(r["episode_id"] for r in rows))
 
 
 def batches(seqs: Sequences, batch_size: int):

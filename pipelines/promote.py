@@ -92,6 +92,13 @@ class Registry:
         return self.client.create_model_version(self.name, source=str(path), run_id=run_id,
                                                 tags={k: _tag(v) for k, v in tags.items()})
 
+    def find(self, **tags):
+        """The newest version carrying all of `tags` (as registered), or None."""
+        want = {k: _tag(v) for k, v in tags.items()}
+        found = [v for v in self.client.search_model_versions(f"name='{self.name}'")
+                 if all(v.tags.get(k) == x for k, x in want.items())]
+        return max(found, key=lambda v: int(v.version)) if found else None
+
     def alias(self, alias: str):
         from mlflow.exceptions import MlflowException
 

@@ -56,7 +56,8 @@ def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
     decode = partial(AutoTokenizer.from_pretrained(cfg.tokenizer).backend_tokenizer.decode, skip_special_tokens=False)
     reward_fn = load_fn(cfg.reward_fn)
 
-    table = read_traces(cfg.trace_root, dates=cfg.dates, weight_versions=cfg.weight_versions, columns=READ_COLUMNS)
+    table = read_traces(cfg.trace_root, dates=cfg.dates, weight_versions=cfg.weight_versions,
+                        since=None if cfg.since is None else datetime.fromisoformat(cfg.since), columns=READ_COLUMNS)
     order = order_episodes(table.select([c for c in READ_COLUMNS if "token" not in c and "logprobs" not in c]),
                            cfg.logprobs_mode)
     ep_keys = pc.coalesce(table["episode_id"], table["trace_id"])
@@ -110,7 +111,7 @@ def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
     counts = {s: w.close() for s, w in writers.items()}
     files = {str(p.relative_to(tmp)): file_sha256(p) for p in sorted(tmp.rglob("*.parquet"))}
     manifest = RLDatasetManifest(
-        path=str(cfg.out_dir), parent=TraceWindow(str(cfg.trace_root), cfg.dates, cfg.weight_versions),
+        path=str(cfg.out_dir), parent=TraceWindow(str(cfg.trace_root), cfg.dates, cfg.weight_versions, cfg.since),
         rows_read=table.num_rows, train_episodes=counts["train"], heldout_episodes=counts["heldout"],
         groups=len(groups), dropped_rows={k: v for k, v in sorted(order.dropped_rows.items())},
         dropped_episodes=dict(sorted(dropped_episodes.items())),

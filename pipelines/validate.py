@@ -202,6 +202,16 @@ class KLGate:
         r.passed = not r.reasons
         return r
 
+    def per_episode(self) -> dict[str, dict[str, float]]:
+        """{episode id: {"drift"|"quant": mean KL over its scored tokens}} (unknown entries left out)."""
+        counts = [sum(m[1:]) for m in self.seqs.sampled]
+        out: dict[str, dict[str, float]] = {e: {} for e in self.seqs.episode_ids}
+        for side, x in self.per_token.items():
+            for eid, chunk in zip(self.seqs.episode_ids, torch.split(x.float(), counts)):
+                if len(chunk) and not bool(chunk.isnan().all()):
+                    out[eid][side] = float(chunk.nanmean())
+        return out
+
 
 def write_report(gate: KLGate, out_dir: str | Path) -> Path:
     """report.json and the KL histograms (PNG) under `out_dir`; returns the JSON's path."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from datetime import date
+from datetime import date, datetime
 from pathlib import Path
 from typing import Literal
 
@@ -47,6 +47,7 @@ class DatasetConfig:
     tokenizer: str  # tokenizer folder (decodes episodes for the reward function)
     dates: tuple[str, ...] | None = None  # UTC "YYYY-MM-DD" partitions; None: all
     weight_versions: tuple[int, ...] | None = None  # None: all
+    since: str | None = None  # ISO-8601 UTC time: only traces created then or later; None: all
     heldout_fraction: float = 0.1
     heldout_unit: Literal["group", "episode"] = "group"  # what the held-out hash draws
     seed: int = 0  # salts the held-out hash; same seed, same split on every rebuild
@@ -67,6 +68,12 @@ class DatasetConfig:
                     date.fromisoformat(d)
                 except (TypeError, ValueError):
                     raise ValueError(f"dates: {d!r} is not a 'YYYY-MM-DD' date") from None
+        if self.since is not None:
+            try:
+                if datetime.fromisoformat(self.since).tzinfo is None:
+                    raise ValueError
+            except (TypeError, ValueError):
+                raise ValueError(f"since: {self.since!r} is not an ISO-8601 time with a UTC offset") from None
         if self.weight_versions is not None:
             self.weight_versions = tuple(self.weight_versions)
             if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in self.weight_versions):
@@ -98,6 +105,7 @@ class TraceWindow:
     trace_root: str
     dates: tuple[str, ...] | None
     weight_versions: tuple[int, ...] | None
+    since: str | None = None  # ISO-8601: traces created then or later
 
 
 @dataclass(frozen=True)
@@ -140,7 +148,7 @@ class RLDatasetManifest:
         if d.get("schema_version") != DATASET_SCHEMA_VERSION:
             raise ValueError(f"dataset schema_version {d.get('schema_version')} != {DATASET_SCHEMA_VERSION}")
         w = d["parent"]
-        d["parent"] = TraceWindow(w["trace_root"], _tuple(w["dates"]), _tuple(w["weight_versions"]))
+        d["parent"] = TraceWindow(w["trace_root"], _tuple(w["dates"]), _tuple(w["weight_versions"]), w.get("since"))
         d["weight_versions"] = tuple(d["weight_versions"])
         return cls(**d)
 

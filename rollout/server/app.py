@@ -82,7 +82,7 @@ def build_server_app(args, inner, cfg: ServeConfig, model: str, supported_tasks,
     caps = caps or detect()
     metrics = FlywheelMetrics()
     draft = cfg.speculative.draft_model if cfg.speculative.method == "draft" else None
-    engine = TracingEngine(inner, WeightState(0, str(Path(model).resolve()), checkpoint_sha256(model),
+    engine = TracingEngine(inner, WeightState(cfg.weight_version, str(Path(model).resolve()), checkpoint_sha256(model),
                                               str(Path(draft).resolve()) if draft else None), metrics)
     root = Path(cfg.trace_root)
     writer = TraceWriter(TraceConfig(root=root, durability=cfg.trace_durability))
@@ -94,7 +94,7 @@ def build_server_app(args, inner, cfg: ServeConfig, model: str, supported_tasks,
                      stack=stack_fingerprint(model, caps=caps),
                      speculator_version=None if spec.method == "none" else
                      f"{spec.method}:{spec.draft_model or f'{spec.ngram_min}-{spec.ngram_max}'}")
-    metrics.weight_version.set(0)
+    metrics.weight_version.set(cfg.weight_version)
     metrics.serving.labels(caps.device, caps.kernel_build, st.stack.quant_format, args.dtype).set(1)
     app = build_app(args, supported_tasks, inner.model_config)
     if removed := turn_off_unserved_routes(app):
@@ -125,7 +125,7 @@ async def _serve(cfg: ServeConfig, engine_cfg: EngineConfig, model: str) -> None
     listen_address, sock = setup_server(args, reuse_port=False)
     async with build_async_engine_client_from_engine_args(AsyncEngineArgs.from_cli_args(args)) as inner:
         tasks = await inner.get_supported_tasks()
-        await inner.update_weight_version("0")  # vLLM labels each output token with it (keep swaps)
+        await inner.update_weight_version(str(cfg.weight_version))  # vLLM labels each output token with it (keep swaps)
         app, st = build_server_app(args, inner, cfg, model, tasks)
         await init_app_state(st.engine, app.state, args, tasks)
         app.state.flywheel = st

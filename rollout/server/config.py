@@ -82,8 +82,14 @@ class ServeConfig:
     # "raw_logprobs" is the model's distribution before them (right only at T=1, top-p 1, no top-k)
     logprobs_mode: str = "processed_logprobs"
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # The weight version the server starts at (each hot-swap adds one). A server restarted on a
+    # later checkpoint starts past the versions its trace root already holds (the loop's resume),
+    # so a weight version names one checkpoint in the traces.
+    weight_version: int = 0
 
     def __post_init__(self):
+        if isinstance(self.weight_version, bool) or not isinstance(self.weight_version, int) or self.weight_version < 0:
+            raise ValueError(f"weight_version must be an int >= 0, got {self.weight_version!r}")
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
         if not 0 <= self.port < 65536:

@@ -6,6 +6,7 @@
 
 The server runs in its own process group (vLLM's engine core and workers with it), on 127.0.0.1
 and a free port, with an admin token of its own passed by environment (not on the command line).
+It gets SIGTERM when the process that started it dies, however that dies.
 """
 
 from __future__ import annotations
@@ -30,6 +31,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started it dies, even by SIGKILL
+    (Linux's PR_SET_PDEATHSIG), so a killed `loop run` leaves no server behind."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux/glibc: the loop's resume stops a server it finds left over
+        pass
+
+
 class ServerProcess:
     def __init__(self, config: str | Path, model: str | Path, trace_root: str | Path, log_path: str | Path,
                  overrides: list[str] = (), env: dict | None = None, admin_token: str | None = None):
@@ -45,7 +57,7 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with_parent)
 
     def __enter__(self) -> "ServerProcess":
         try:

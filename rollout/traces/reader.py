@@ -12,7 +12,7 @@ Other readers, for reference (the partition columns are in the files and the dir
 from __future__ import annotations
 
 from collections.abc import Iterable
-from datetime import date
+from datetime import date, datetime
 from pathlib import Path
 
 import pyarrow as pa
@@ -26,14 +26,20 @@ def read_traces(
     *,
     dates: Iterable[str | date] | None = None,
     weight_versions: Iterable[int] | None = None,
+    since: datetime | None = None,
     columns: list[str] | None = None,
 ) -> pa.Table:
-    """Traces under `<root>/traces`, only of the given UTC dates and weight versions if given."""
+    """Traces under `<root>/traces`, only of the given UTC dates and weight versions, and created
+    at `since` (tz-aware) or later, if given."""
     expr = None
     if dates is not None:
         expr = _and(expr, ds.field("date").isin([_date_str(d) for d in dates]))
     if weight_versions is not None:
         expr = _and(expr, ds.field("weight_version").isin([int(v) for v in weight_versions]))
+    if since is not None:
+        if since.tzinfo is None:
+            raise ValueError(f"since must be tz-aware, got {since!r}")
+        expr = _and(expr, ds.field("created_at") >= pa.scalar(since, pa.timestamp("us", tz="UTC")))
     return _read(Path(root) / "traces", TRACE_SCHEMA, expr, columns)
 
 

@@ -53,6 +53,14 @@ def ensure_ray(cfg: RayConfig) -> float:
     return time.perf_counter() - t0
 
 
+def shutdown_ray() -> None:
+    """Stop the local runtime (or leave the cluster) if this process started one."""
+    import sys
+
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        sys.modules["ray"].shutdown()
+
+
 def run_training(job: TrainJob, ray_cfg: RayConfig, report: Callable[[int, dict], None] = lambda s, m: None
                  ) -> PolicyCheckpoint:
     """Train on Ray (or in this process when `num_workers` is 0); the checkpoint's manifest."""

@@ -14,6 +14,7 @@ import pytest
 from srv_util import ADMIN_TOKEN, ServerProc, chat_messages
 
 from rollout.capabilities import detect
+from pipelines.promote import Registry
 
 pytestmark = pytest.mark.slow
 
@@ -89,21 +90,21 @@ def test_rejected_candidates_leave_serving_untouched(promo, plant, tiny_base):
     with Traffic(server.url) as traffic:
         for kind in kinds:
             bad = plant_damage(promo["good"], kind, root / f"bad-{kind}")
-            g, version, registry, _ = validate_phase(promo["cfg"], promo["candidate"](bad), promo["ep"], root / "run")
-            assert not g.report.passed and PLANTED[kind] in g.report.reasons[0], (kind, g.report.reasons)
-            outcome = promote_phase(promo["cfg"], g, version, registry, _)
-            assert outcome.status == "rejected" and registry.alias("rejected").version == version.version
-            assert registry.client.get_model_version(registry.name, version.version).tags["status"] == "rejected"
+            v = validate_phase(promo["cfg"], promo["candidate"](bad), promo["ep"], root / "run")
+            assert not v.passed and PLANTED[kind] in v.reasons[0], (kind, v.reasons)
+            outcome = promote_phase(promo["cfg"], v, promo["ep"])
+            registry = Registry(promo["cfg"].tracking_uri, promo["cfg"].promote.model_name)
+            assert outcome.status == "rejected" and registry.alias("rejected").version == v.version
+            assert registry.client.get_model_version(registry.name, v.version).tags["status"] == "rejected"
         # noise on one layer of the trained weights: well formed, but the policy moved everywhere
         noisy = noisy_copy(promo["trained"], root / "noisy-fp", 3.0, only="layers.0.mlp.down_proj")
         from loop.serving import serving_spec
         from pipelines.quantize import quantize_checkpoint
 
         noisy_q = quantize_checkpoint(noisy, root / "noisy", serving_spec(promo["fmt"], 32, "bfloat16")).path
-        g, version, registry, _ = validate_phase(promo["cfg"], promo["candidate"](noisy_q, str(noisy)), promo["ep"],
-                                                 root / "run")
-        assert not g.report.passed and any("validate.max_drift" in r for r in g.report.reasons), g.report.reasons
-        assert promote_phase(promo["cfg"], g, version, registry, _).status == "rejected"
+        v = validate_phase(promo["cfg"], promo["candidate"](noisy_q, str(noisy)), promo["ep"], root / "run")
+        assert not v.passed and any("validate.max_drift" in r for r in v.reasons), v.reasons
+        assert promote_phase(promo["cfg"], v, promo["ep"]).status == "rejected"
     assert traffic.codes and set(traffic.codes) == {200}, traffic.codes
     after = server.admin("GET", "/admin/status").json()
     assert (after["path"], after["weight_version"]) == (before["path"], before["weight_version"])
@@ -114,9 +115,10 @@ def test_good_candidate_is_promoted_and_rollback_restores_it_exactly(promo):
     from loop.gate import promote_phase, validate_phase
     server, root = promo["server"], promo["root"]
     before = server.admin("GET", "/admin/status").json()
-    g, version, registry, client = validate_phase(promo["cfg"], promo["candidate"](promo["good"]), promo["ep"],
-                                                  root / "run")
-    r = g.report
+    v = validate_phase(promo["cfg"], promo["candidate"](promo["good"]), promo["ep"], root / "run")
+    g, r = v.gate, v.gate.report
+    registry = Registry(promo["cfg"].tracking_uri, promo["cfg"].promote.model_name)
+    version = registry.client.get_model_version(registry.name, v.version)
     assert r.passed and r.stage == "engine", r.reasons
     assert r.engine_check["ok"] and r.engine_check["tokens"] == g.seqs.num_scored
     assert 0 <= r.eval["candidate_success"] <= 1 and r.eval["serving_success"] is not None
@@ -124,7 +126,7 @@ def test_good_candidate_is_promoted_and_rollback_restores_it_exactly(promo):
     canary_seqs = g.seqs.head(2)
     old_logprobs = _canary_logprobs(server, canary_seqs)
 
-    outcome = promote_phase(promo["cfg"], g, version, registry, client)
+    outcome = promote_phase(promo["cfg"], v, promo["ep"])
     assert outcome.status == "serving", outcome
     assert outcome.canary["mean_abs_dlogprob"] <= promo["cfg"].promote.canary_tolerance
     status = server.admin("GET", "/admin/status").json()

@@ -111,6 +111,13 @@ def test_read_traces_prunes_partitions_and_columns(tr_store):
     assert table.column_names == ["trace_id", "weight_version"]
     assert set(table["trace_id"].to_pylist()) == want and len(want) == 8
     assert read_traces(root, dates=[date(2030, 1, 1)]).num_rows == 0
+    # `since`: created then or later (a resumed collection reads its own traces, not a killed try's)
+    times = sorted(r["created_at"] for r in expected)
+    cut = times[len(times) // 2]
+    later = read_traces(root, since=cut, columns=["trace_id"])["trace_id"].to_pylist()
+    assert sorted(later) == sorted(r["trace_id"] for r in expected if r["created_at"] >= cut) and 0 < len(later) < len(times)
+    with pytest.raises(ValueError, match="tz-aware"):
+        read_traces(root, since=cut.replace(tzinfo=None))
     assert read_traces(root / "nowhere", columns=["trace_id"]).num_rows == 0
     with pytest.raises(ValueError, match="unknown columns"):
         read_traces(root, columns=["nope"])
