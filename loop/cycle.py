@@ -129,7 +129,9 @@ def cycle(lp: Loop, k: int) -> CycleState:
         ckpt = _phase(lp, c, "train", lambda: train_phase(cfg, parent, dataset, run_dir), PolicyCheckpoint.from_dict)
     except NoSignal as e:
         return finish(lp, c, "no_signal", f"nothing to train on: {e}")
-    cand = _phase(lp, c, "requantize", lambda: requantize_phase(cfg, ckpt, dataset.path, run_dir), Candidate.from_dict)
+    cand = _phase(lp, c, "requantize", lambda: requantize_phase(
+        cfg, ckpt, dataset.path, run_dir, serving=serving_folder(lp.ep)), Candidate.from_dict)
+
     def validate() -> Verdict:
         v = validate_phase(cfg, cand, lp.ep, run_dir, tags={"loop_id": lp.state.loop_id, "loop_cycle": k})
         show_episodes(cfg, lp.tokenizer, dataset.path, v.summary.get("episode_kl", {}), k)
@@ -137,11 +139,22 @@ def cycle(lp: Loop, k: int) -> CycleState:
 
     verdict = _phase(lp, c, "validate", validate, Verdict.from_dict)
     lp.display.note(success=verdict.summary.get("candidate_success"), kl=verdict.summary.get("kl_drift_mean"))
-    outcome = _phase(lp, c, "promote", lambda: promote_phase(cfg, verdict, lp.ep), lambda d: Outcome(**d))
-    if outcome.status == "serving":
-        lp.state.serving = {"path": cand.path, "fp": cand.fp or cand.path, "version": str(outcome.version)}
+    def promote():
+        out = promote_phase(cfg, verdict, lp.ep)
+        if out.status == "serving":  # saved with the phase: a restarted server starts on it
+            lp.state.serving = {"path": cand.path, "fp": cand.fp or cand.path, "version": str(out.version)}
+        return out
+
+    outcome = _phase(lp, c, "promote", promote, lambda d: Outcome(**d))
     reason = outcome.reason or ("; ".join(verdict.reasons) if not verdict.passed else "passed the gate and the canary")
     return finish(lp, c, outcome.status, reason)
+
+
+def serving_folder(ep) -> str:
+    """The folder the server runs now (the base's quantized copy, or the last promoted)."""
+    from pipelines.promote import AdminClient
+
+    return AdminClient(ep.url, ep.admin_token).status()["path"]
 
 
 def show_episodes(cfg, tokenizer: str, dataset: str, episode_kl: dict, k: int) -> None:

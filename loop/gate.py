@@ -45,8 +45,9 @@ class Candidate:
         return cls(**{**d, "plan": LayerPlan(**d["plan"]) if d.get("plan") else None})
 
 
-def requantize_phase(cfg, ckpt, dataset_path: str, run_dir: Path) -> Candidate:
-    """`ckpt` (trainers.rl.manifest.PolicyCheckpoint) -> Candidate, its plan logged to MLflow."""
+def requantize_phase(cfg, ckpt, dataset_path: str, run_dir: Path, serving: str | None = None) -> Candidate:
+    """`ckpt` (trainers.rl.manifest.PolicyCheckpoint) -> Candidate, its plan logged to MLflow.
+    `serving`: the folder the server runs, whose layer plan is kept when good enough."""
     import mlflow
 
     from kernels import QuantSpec
@@ -54,6 +55,7 @@ def requantize_phase(cfg, ckpt, dataset_path: str, run_dir: Path) -> Candidate:
     from loop.train import qat_spec
     from pipelines.logits import dataset_sequences
     from pipelines.requantize import requantize
+    from rollout.server.swap import layer_plan
 
     t0 = time.perf_counter()
     fmt, spec = qat_spec(cfg)
@@ -67,19 +69,22 @@ def requantize_phase(cfg, ckpt, dataset_path: str, run_dir: Path) -> Candidate:
     calibration = dataset_sequences(dataset_path, "train", cfg.requantize.calibration_sequences)
     with start_run(cfg, "requantize", tags={"phase": "requantize", "checkpoint_path": ckpt.path, "format": fmt}):
         manifest, plan = requantize(ckpt.path, out, QuantSpec.from_dict(spec), calibration, cfg.requantize,
-                                    parent=ckpt.path, overwrite=True)
+                                    parent=ckpt.path, overwrite=True, serving=layer_plan(serving) if serving else None)
         mlflow.log_dict(plan.to_dict(), "layer_plan.json")
         mlflow.log_metrics({"requantize/kl": plan.kl, "requantize/kl_joint": plan.joint["kl"],
                             "requantize/kl_one_at_a_time": plan.one_at_a_time["kl"],
                             "requantize/full_precision_layers": len(plan.full_precision),
-                            "requantize/plans_scored": len(plan.evaluated), "requantize/search_s": plan.seconds})
+                            "requantize/plans_scored": len(plan.evaluated), "requantize/search_s": plan.seconds,
+                            "requantize/kept_serving_plan": float(plan.serving_plan.get("kept", False))})
         _plot_plan(plan)
         mlflow.set_tag("served_path", manifest.path)
     c = Candidate(manifest.path, ckpt.path, fmt, plan, ckpt.parent, dataset_path, time.perf_counter() - t0)
     ratio = plan.joint["kl"] / plan.one_at_a_time["kl"] if plan.one_at_a_time["kl"] > 0 else float("nan")
     print(f"[loop] requantized as {fmt} -> {c.path}: {len(plan.full_precision)} layers kept full precision, "
           f"KL to full precision {plan.kl:.2e} (joint plan {ratio:.2f}x the one-at-a-time baseline's; "
-          f"{len(plan.evaluated)} plans scored in {plan.seconds:.1f}s)", flush=True)
+          f"{len(plan.evaluated)} plans scored in {plan.seconds:.1f}s"
+          f"{'; the serving plan kept, KL ' + format(plan.serving_plan['kl'], '.2e') if plan.serving_plan.get('kept') else ''})",
+          flush=True)
     return c
 
 

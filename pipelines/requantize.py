@@ -39,6 +39,10 @@ class RequantizeConfig:
     calibration_sequences: int = 16  # episodes of the train split the plans are scored on
     search: str = "joint"  # "joint" | "one_at_a_time" (the baseline, for comparison)
     max_evals: int = 200  # plans scored by the joint search at most (one forward each)
+    # The plan the server runs now is kept when its KL is within this factor of the searched best:
+    # the swap then reloads weights in place instead of warming a second engine (~20 s on these
+    # CPUs, bench/gate_path.py). None: always the searched plan.
+    keep_serving_plan_within: float | None = 1.5
 
     def __post_init__(self):
         if self.max_full_precision_layers < 0:
@@ -49,6 +53,8 @@ class RequantizeConfig:
             raise ValueError(f"calibration_sequences must be >= 1, got {self.calibration_sequences}")
         if self.search not in ("joint", "one_at_a_time"):
             raise ValueError(f"search must be 'joint' or 'one_at_a_time', got {self.search!r}")
+        if self.keep_serving_plan_within is not None and not self.keep_serving_plan_within >= 1:
+            raise ValueError(f"keep_serving_plan_within must be >= 1 or null, got {self.keep_serving_plan_within!r}")
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,7 @@ class LayerPlan:
     more_quantized_lower_kl: list[dict] = field(default_factory=list)  # quantizing one more unit lowered KL
     calibration: dict = field(default_factory=dict)  # source, sequences, scored tokens
     budget: dict = field(default_factory=dict)
+    serving_plan: dict = field(default_factory=dict)  # {"plan", "kl", "kept"}: the server's plan, scored
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
@@ -234,8 +241,20 @@ def _cancellations(scorer: PlanScorer) -> list[dict]:
     return sorted(out, key=lambda d: d["kl_after"] - d["kl_before"])[:20]
 
 
-def search_plan(model: nn.Module, spec: QuantSpec, seqs: Sequences, cfg: RequantizeConfig) -> LayerPlan:
-    """Both searches on `model` (modified in place: pass a throwaway copy)."""
+def _as_units(scorer: PlanScorer, layers) -> frozenset[int] | None:
+    """The units covering exactly `layers` (names outside the units, like lm_head, ignored), or
+    None when a unit is only partly in it."""
+    names = set(layers)
+    plan = frozenset(i for i, u in enumerate(scorer.units) if names & set(u.layers))
+    if any(not set(scorer.units[i].layers) <= names for i in plan):
+        return None
+    return plan
+
+
+def search_plan(model: nn.Module, spec: QuantSpec, seqs: Sequences, cfg: RequantizeConfig,
+                serving: tuple[str, ...] | None = None) -> LayerPlan:
+    """Both searches on `model` (modified in place: pass a throwaway copy). `serving`: the layers
+    the server's checkpoint keeps in full precision; kept when good enough (keep_serving_plan_within)."""
     t0 = time.perf_counter()
     scorer = PlanScorer(model, spec, seqs)
     if not any(_feasible(scorer, {i}, cfg) for i in range(len(scorer.units))):  # nothing may stay: no search
@@ -245,6 +264,12 @@ def search_plan(model: nn.Module, spec: QuantSpec, seqs: Sequences, cfg: Requant
         base = one_at_a_time(scorer, cfg)
         joint_ = joint(scorer, cfg, start=frozenset(base["units"]))
     chosen = joint_ if cfg.search == "joint" else base
+    kept = {}
+    if serving is not None and (units := _as_units(scorer, serving)) is not None and _feasible(scorer, units, cfg):
+        kept = {"plan": scorer.layers(units), "kl": scorer(units), "kept": False}
+        if cfg.keep_serving_plan_within is not None and kept["kl"] <= chosen["kl"] * cfg.keep_serving_plan_within:
+            kept["kept"] = True
+            chosen = {**kept, "units": sorted(units)}
     evaluated = [{"full_precision": scorer.layers(p), "layers": len(scorer.layers(p)), "kl": v}
                  for p, v in sorted(scorer.scores.items(), key=lambda kv: kv[1])]
     return LayerPlan(
@@ -252,20 +277,21 @@ def search_plan(model: nn.Module, spec: QuantSpec, seqs: Sequences, cfg: Requant
         evaluated=evaluated, more_quantized_lower_kl=_cancellations(scorer),
         calibration={"source": seqs.source, "sequences": len(seqs.ids), "scored_tokens": seqs.num_scored},
         budget={"max_full_precision_layers": cfg.max_full_precision_layers, "max_extra_bytes": cfg.max_extra_bytes,
-                "units": len(scorer.units)},
+                "units": len(scorer.units)}, serving_plan=kept,
         seconds=round(time.perf_counter() - t0, 3))
 
 
 def requantize(src: str | Path, dst: str | Path, spec: QuantSpec, seqs: Sequences, cfg: RequantizeConfig,
-               parent: str | None = None, overwrite: bool = False):
-    """Trained HF folder `src` -> compressed-tensors folder `dst` quantized by the searched plan,
-    the plan written into it as layer_plan.json (hashed in its manifest). Returns (manifest, plan)."""
+               parent: str | None = None, overwrite: bool = False, serving: tuple[str, ...] | None = None):
+    """Trained HF folder `src` -> compressed-tensors folder `dst` quantized by the searched plan
+    (or `serving`'s, see search_plan), the plan written into it as layer_plan.json (hashed in its
+    manifest). Returns (manifest, plan)."""
     from transformers import AutoModelForCausalLM
 
     from pipelines.quantize import quantize_checkpoint
 
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
-    plan = search_plan(model, spec, seqs, cfg)
+    plan = search_plan(model, spec, seqs, cfg, serving)
     manifest = quantize_checkpoint(src, dst, spec, full_precision=plan.full_precision,
                                    parent=parent if parent is not None else str(src), overwrite=overwrite,
                                    extra_files={PLAN_FILE: json.dumps(plan.to_dict(), indent=1) + "\n"})

@@ -79,9 +79,38 @@ def test_byte_budget_and_zero_budget(tiny_base, calibration, tmp_path):
     assert sum(u.extra_bytes for u in kept) <= 20_000 < sum(u.extra_bytes for u in units)
 
 
+def test_the_serving_plan_is_kept_only_within_its_factor(planned, tiny_base, calibration):
+    """The layers the server keeps in full precision (plus lm_head, as its config lists them): kept
+    when their KL is within keep_serving_plan_within of the searched best (an in-place swap), else
+    the searched plan; a plan the units cannot express (half a fused group) is not considered."""
+    from transformers import AutoModelForCausalLM
+
+    from pipelines.requantize import search_plan
+
+    _, _, best = planned
+    worse = next(e for e in best.evaluated if 0 < e["layers"] <= 3 and e["kl"] > best.kl * 1.01)
+    serving = ("lm_head", *worse["full_precision"])
+
+    def plan(**kw):
+        model = AutoModelForCausalLM.from_pretrained(tiny_base.path, dtype=torch.float32)
+        return search_plan(model, SPEC, calibration, RequantizeConfig(max_full_precision_layers=3, **kw), serving)
+
+    loose = plan(keep_serving_plan_within=worse["kl"] / best.kl * 1.001)
+    assert loose.serving_plan["kept"] and loose.full_precision == worse["full_precision"]
+    assert loose.kl == pytest.approx(worse["kl"])
+    strict = plan(keep_serving_plan_within=None)
+    assert not strict.serving_plan["kept"] and strict.full_precision == best.full_precision
+    assert strict.serving_plan["kl"] == pytest.approx(worse["kl"])
+    qkv = [n for n in best.one_at_a_time["sensitivity"] if "q_proj+" in n][0].split("+")
+    model = AutoModelForCausalLM.from_pretrained(tiny_base.path, dtype=torch.float32)
+    half = search_plan(model, SPEC, calibration, RequantizeConfig(max_full_precision_layers=3), (qkv[0],))
+    assert half.serving_plan == {} and half.full_precision == best.full_precision
+
+
 @pytest.mark.parametrize("kw, key", [({"max_full_precision_layers": -1}, "max_full_precision_layers"),
                                       ({"search": "random"}, "search"),
-                                      ({"calibration_sequences": 0}, "calibration_sequences")])
+                                      ({"calibration_sequences": 0}, "calibration_sequences"),
+                                      ({"keep_serving_plan_within": 0.5}, "keep_serving_plan_within")])
 def test_config_errors_name_the_key(kw, key):
     with pytest.raises(ValueError, match=key):
         RequantizeConfig(**kw)
