@@ -205,7 +205,30 @@ def log_collect(collected: CollectManifest, dataset) -> None:
     mlflow.log_dict(asdict(collected), "collect_manifest.json")
     mlflow.log_dict(dataset.to_dict(), "dataset_manifest.json")
     mlflow.set_tag("dataset_path", dataset.path)
+    log_dataset_input(dataset)
     _plot_groups(collected.group_successes, max(1, collected.episodes // max(1, len(collected.group_successes))))
+
+
+def log_dataset_input(dataset) -> None:
+    """The dataset as the run's MLflow input: its source the trace window it was built from (the
+    trace root, the weight versions, dates and start time), its digest the dataset manifest's."""
+    import warnings
+
+    import mlflow
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+
+    from pipelines.artifacts import MANIFEST, file_sha256
+
+    w = dataset.parent
+    with warnings.catch_warnings():  # "inferred a LocalArtifactDatasetSource": what is meant here
+        warnings.simplefilter("ignore")
+        source = resolve_dataset_source((Path(w.trace_root) / "traces").resolve().as_uri())
+    versions = ",".join(map(str, w.weight_versions or ())) or "all"
+    mlflow.log_input(MetaDataset(source, name=f"traces v{versions}", digest=file_sha256(Path(dataset.path) / MANIFEST)[:16]),
+                     context="train", tags={"weight_versions": versions, "dates": ",".join(w.dates or ()) or "all",
+                                            "since": w.since or "", "dataset_path": dataset.path,
+                                            "episodes": str(dataset.train_episodes + dataset.heldout_episodes)})
 
 
 def _plot_groups(successes: list[int], group_size: int) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 TOOL_RESPONSE = re.compile(r"<tool_response>\s*(.*?)\s*</tool_response>", re.S)
+USER = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.S)  # the chat template's user turn
 
 
 def pick(dataset: str, scored: set[str], max_groups: int = 8) -> list[dict]:
@@ -72,7 +73,7 @@ def log_episodes(trace_root: str, tokenizer: str, dataset: str, episode_kl: dict
         kl = episode_kl.get(e["episode_id"], {})
         root = mlflow.start_span_no_context(
             f"episode {e['episode_id']}", span_type=SpanType.AGENT, experiment_id=experiment_id,
-            inputs={"problem": decode(rows[0]["prompt_token_ids"])}, start_time_ns=_ns(rows[0]["created_at"]),
+            inputs={"problem": _user_text(decode(rows[0]["prompt_token_ids"]))}, start_time_ns=_ns(rows[0]["created_at"]),
             attributes={"weight_version": rows[0]["weight_version"], "reward": e["reward"], "rank": e["rank"]},
             metadata={"mlflow.trace.session": e["group_id"], "mlflow.sourceRun": run_id},
             tags={"flywheel.cycle": str(cycle), "flywheel.rank": e["rank"], "flywheel.episode_id": e["episode_id"]})
@@ -110,6 +111,12 @@ def log_episodes(trace_root: str, tokenizer: str, dataset: str, episode_kl: dict
                                            "quant": "mean KL(candidate || its full precision) over the sampled tokens"
                                            }.get(side, side))
     return [t for t, _, _ in ids]
+
+
+def _user_text(prompt: str) -> str:
+    """The last user message of a decoded prompt (the whole prompt when the template differs)."""
+    found = USER.findall(prompt)
+    return found[-1].strip() if found else prompt
 
 
 def _json(text: str):

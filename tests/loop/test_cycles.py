@@ -123,6 +123,9 @@ def test_two_cycles_promote_serve_and_trace_the_new_version(two_cycles, tiny_bas
             "plots/loss.png", "plots/layer_plans.png", "gate/gate_report.json", "gate/gate_kl.png"} <= arts, arts
     manifest = json.loads(mlflow.artifacts.load_text(f"{cyc.info.artifact_uri}/dataset_manifest.json"))
     assert manifest["parent"]["weight_versions"] == [0] and manifest["parent"]["since"]
+    (given,) = cyc.inputs.dataset_inputs  # the dataset as the run's input, its source the trace window
+    assert json.loads(given.dataset.source)["uri"] == (run_dir / "data" / "traces").resolve().as_uri()
+    assert {t.key: t.value for t in given.tags}["dataset_path"] == manifest["path"]
     rows = [r for split in ("train", "heldout") for f in sorted(Path(manifest["path"]).glob(f"{split}/*.parquet"))
             for r in pq.read_table(f, columns=["episode_id"]).to_pylist()]
     run_id = c1["done"]["collect"]["run_id"]
