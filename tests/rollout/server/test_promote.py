@@ -94,7 +94,7 @@ def test_rejected_candidates_leave_serving_untouched(promo, plant, tiny_base):
             assert not v.passed and PLANTED[kind] in v.reasons[0], (kind, v.reasons)
             outcome = promote_phase(promo["cfg"], v, promo["ep"])
             registry = Registry(promo["cfg"].tracking_uri, promo["cfg"].promote.model_name)
-            assert outcome.status == "rejected" and registry.alias("rejected").version == v.version
+            assert outcome.status == "rejected" and str(registry.alias("rejected").version) == v.version
             assert registry.client.get_model_version(registry.name, v.version).tags["status"] == "rejected"
         # noise on one layer of the trained weights: well formed, but the policy moved everywhere
         noisy = noisy_copy(promo["trained"], root / "noisy-fp", 3.0, only="layers.0.mlp.down_proj")
