@@ -56,9 +56,7 @@ class LoopState:
         flat_config = json.loads(json.dumps(flat_config, default=str))  # as the file holds it: tuples are lists
         path = Path(run_dir) / STATE_FILE
         if path.is_file():
-            d = json.loads(path.read_text())
-            d["cycles"] = [CycleState(**c) for c in d["cycles"]]
-            old = cls(**{**d, "path": str(path)})
+            old = _read(path)
             if not old.finished:
                 changed = sorted(k for k in set(old.config) | set(flat_config)
                                  if k not in RESUMABLE_KEYS and old.config.get(k) != flat_config.get(k))
@@ -91,8 +89,10 @@ class LoopState:
 def load(run_dir: str | Path) -> LoopState | None:
     """The newest state in `run_dir` (for `loop status`), or None."""
     path = Path(run_dir) / STATE_FILE
-    if not path.is_file():
-        return None
+    return _read(path) if path.is_file() else None
+
+
+def _read(path: Path) -> LoopState:
     d = json.loads(path.read_text())
     d["cycles"] = [CycleState(**c) for c in d["cycles"]]
     return LoopState(**{**d, "path": str(path)})
