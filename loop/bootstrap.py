@@ -62,7 +62,9 @@ class BaseModelManifest:
 
     @classmethod
     def load(cls, folder: str | Path) -> "BaseModelManifest":
-        return cls(**json.loads((Path(folder) / MANIFEST).read_text()))
+        """The manifest, its `path` the folder it was read from (a cache folder may have been moved)."""
+        data = json.loads((Path(folder) / MANIFEST).read_text())
+        return cls(**{**data, "path": str(Path(folder).resolve())})
 
 
 def cache_key(cfg: BootstrapConfig, task: TaskConfig) -> str:
