@@ -181,9 +181,10 @@ def main() -> None:
             from test_speculative_and_crash import build_draft
 
             draft = build_draft(a.model, tmp / "draft")  # random 1-layer: acceptance is low
+            raw = "serve.logprobs_mode=raw_logprobs"  # vLLM: speculated tokens' processed logprobs are NaN
             variants = (("draft_random_1layer", ["serve.speculative.method=draft",
-                                                 f"serve.speculative.draft_model={draft}"]),
-                        ("ngram", ["serve.speculative.method=ngram"]))
+                                                 f"serve.speculative.draft_model={draft}", raw]),
+                        ("ngram", ["serve.speculative.method=ngram", raw]))
             for name, sc in variants:
                 cmd = [*ours_cmd[:-3], f"serve.port={pc}", f"serve.trace_root={tmp / name}", *sc]
                 proc = start(cmd, tmp / f"{name}.log", env)

@@ -14,6 +14,7 @@ from loop.configs import load
 from loop.cycle import CycleConfig
 from pipelines.promote import PromoteConfig
 from pipelines.requantize import RequantizeConfig
+from pipelines.speculator import SpeculatorConfig
 from pipelines.validate import GateConfig
 from rollout.engine import EngineConfig
 from rollout.server.config import ServeConfig
@@ -43,6 +44,7 @@ class LoopConfig:
     requantize: RequantizeConfig = field(default_factory=RequantizeConfig)
     validate: GateConfig = field(default_factory=GateConfig)
     promote: PromoteConfig = field(default_factory=PromoteConfig)
+    speculator: SpeculatorConfig = field(default_factory=SpeculatorConfig)
 
     def __post_init__(self):
         if not self.run_dir:

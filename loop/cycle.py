@@ -1,4 +1,5 @@
-"""`loop run`: cycles of collect -> build_dataset -> train -> requantize -> validate -> promote.
+"""`loop run`: cycles of collect -> build_dataset -> train -> requantize -> validate -> [speculator]
+-> promote (the speculator phase when `speculator.enabled`: loop/speculator.py).
 
     state = LoopState.open(...)                       # loop/state.py: resume where a kill left off
     with endpoint(...) as ep:                          # one server for every cycle, hot-swapped
@@ -14,7 +15,6 @@ nested run per cycle holding every phase's metrics, tags and artifacts.
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -24,7 +24,7 @@ from loop.collect import CollectManifest
 from loop.gate import Candidate, Verdict
 from loop.state import CycleState, LoopState
 
-PHASES = ("collect", "build_dataset", "train", "requantize", "validate", "promote")
+PHASES = ("collect", "build_dataset", "train", "requantize", "validate", "speculator", "promote")
 
 
 @dataclass
@@ -71,6 +71,8 @@ class Loop:
     ep: object  # loop.collect.Endpoint
     tokenizer: str
     display: Display
+    speculating: bool = False  # speculator.enabled: a draft for each new target (loop/speculator.py)
+    deploying: bool = False  # and the server speculates with it (swapped in with its target)
 
     @property
     def run_dir(self) -> Path:
@@ -94,6 +96,7 @@ def cycle(lp: Loop, k: int) -> CycleState:
     """One cycle, each phase once (a rerun after a kill starts at the phase it was in)."""
     from loop.collect import collect_phase, dataset_phase, log_collect
     from loop.gate import promote_phase, requantize_phase, validate_phase
+    from loop.speculator import SpeculatorStep, speculator_step
     from loop.train import train_phase
     from pipelines.promote import Outcome
     from pipelines.traces_to_dataset import load_manifest
@@ -139,10 +142,17 @@ def cycle(lp: Loop, k: int) -> CycleState:
 
     verdict = _phase(lp, c, "validate", validate, Verdict.from_dict)
     lp.display.note(success=verdict.summary.get("candidate_success"), kl=verdict.summary.get("kl_drift_mean"))
+    draft = None
+    if lp.speculating:
+        spec = _phase(lp, c, "speculator", lambda: speculator_step(lp, k, collected, verdict, cand), SpeculatorStep.from_dict)
+        draft = spec if spec.target in ("candidate", "offline") else None
+
     def promote():
-        out = promote_phase(cfg, verdict, lp.ep)
+        out = promote_phase(cfg, verdict, lp.ep, draft_path=draft.draft if draft and lp.deploying else None)
         if out.status == "serving":  # saved with the phase: a restarted server starts on it
             lp.state.serving = {"path": cand.path, "fp": cand.fp or cand.path, "version": str(out.version)}
+            if draft:  # the next draft warm-starts from it
+                lp.state.serving |= {"draft": draft.draft, "draft_offline": draft.offline["rate"]}
         return out
 
     outcome = _phase(lp, c, "promote", promote, lambda d: Outcome(**d))
@@ -267,7 +277,7 @@ def next_weight_version(trace_root: str | Path) -> int:
 def sweep_partial(run_dir: Path) -> list[str]:
     """Folders a killed phase was still writing (`.<name>.tmp-<pid>`): removed before resuming."""
     gone = []
-    for sub in ("datasets", "checkpoints", "served"):
+    for sub in ("datasets", "checkpoints", "served", "drafts"):
         for p in (run_dir / sub).glob(".*.tmp-*"):
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
             gone.append(str(p))

@@ -334,8 +334,8 @@ def canary_expectation(g, n: int):
     return seqs, out
 
 
-def promote_phase(cfg, v: Verdict, ep):
-    """Swap a passing candidate in (canary-checked), or record it as rejected."""
+def promote_phase(cfg, v: Verdict, ep, draft_path: str | None = None):
+    """Swap a passing candidate in (canary-checked; with its draft, when given), or record it as rejected."""
     import mlflow
 
     from loop.tracking import start_run
@@ -348,7 +348,7 @@ def promote_phase(cfg, v: Verdict, ep):
         if v.passed:
             c = v.canary
             seqs = Sequences(tuple(map(tuple, c["ids"])), tuple(map(tuple, c["sampled"])), c["source"])
-            outcome = promote(registry, server, version, v.candidate, cfg.promote, seqs, c["expected"])
+            outcome = promote(registry, server, version, v.candidate, cfg.promote, seqs, c["expected"], draft_path)
         else:
             outcome = reject(registry, version, v.reasons)
         mlflow.set_tags({"outcome": outcome.status, "reason": outcome.reason[:4000]})

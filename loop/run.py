@@ -70,6 +70,7 @@ def run(cfg: LoopConfig) -> int:
     from loop.configs import flatten, to_dict
     from loop.cycle import (Display, Loop, cycle, log_loop_summary, next_weight_version, serving_start,
                             sweep_partial, with_weight_version)
+    from loop.speculator import deploys, initial_draft, serve_with_draft
     from loop.state import LoopState
     from loop.tracking import find_run, open_run
     from trainers.rl.launch import shutdown_ray
@@ -93,10 +94,19 @@ def run(cfg: LoopConfig) -> int:
             base = bootstrap_phase(cfg, log=not state.base)
             state.base = state.base or {"path": str(base.path), "key": base.key, "eval": base.eval}
             state.serving = serving_start(cfg, state, str(base.path))
+            serve_cfg = with_weight_version(cfg, next_weight_version(cfg.serve.trace_root))
+            deploying = False
+            if cfg.speculator.enabled:
+                deploying, why_not = deploys(cfg)
+                if deploying:  # the server speculates from its start: on the last draft, or a new one
+                    state.serving.setdefault("draft", initial_draft(cfg, state.serving["fp"], run_dir))
+                    serve_cfg = serve_with_draft(serve_cfg, state.serving["draft"])
+                else:
+                    print(f"[loop] speculator: {why_not}", flush=True)
             state.save()
-            version = next_weight_version(cfg.serve.trace_root)
-            with endpoint(with_weight_version(cfg, version), state.serving["path"], run_dir) as ep:
-                lp = Loop(cfg, state, ep, str(base.path), display)
+            with endpoint(serve_cfg, state.serving["path"], run_dir) as ep:
+                lp = Loop(cfg, state, ep, str(base.path), display, speculating=cfg.speculator.enabled,
+                          deploying=deploying)
                 for k in range(1, cfg.loop.cycles + 1):
                     c = state.cycle(k)
                     if c.finished:

@@ -50,9 +50,10 @@ class AdminClient:
         r.raise_for_status()
         return r.json()
 
-    def swap(self, path: str, mode: str = "drain") -> tuple[int, dict]:
-        r = httpx.post(self.url + "/admin/weights", headers=self.headers, json={"path": path, "mode": mode},
-                       timeout=600)
+    def swap(self, path: str, mode: str = "drain", draft_path: str | None = None) -> tuple[int, dict]:
+        """Swap the target (and the draft with it, when given) in one pause."""
+        body = {"path": path, "mode": mode} | ({"draft_path": draft_path} if draft_path else {})
+        r = httpx.post(self.url + "/admin/weights", headers=self.headers, json=body, timeout=600)
         return r.status_code, r.json()
 
     def sampled_logprobs(self, ids: list[int], scored: list[int]) -> list[float]:
@@ -145,12 +146,13 @@ def canary(server: AdminClient, seqs, expected: list[list[float]]) -> dict:
 
 
 def promote(registry: Registry, server: AdminClient, version, path: str, cfg: PromoteConfig,
-            canary_seqs, expected: list[list[float]]) -> Outcome:
-    """Swap `version` (which passed the gate) into the server; keep it only if the canary agrees."""
+            canary_seqs, expected: list[list[float]], draft_path: str | None = None) -> Outcome:
+    """Swap `version` (which passed the gate) into the server, with its draft when given; keep it
+    only if the canary agrees (else the old target and draft go back)."""
     t0 = time.perf_counter()
     before = server.status()
     old = registry.version_of(before["path"])
-    code, body = server.swap(path, cfg.swap_mode)
+    code, body = server.swap(path, cfg.swap_mode, draft_path)
     if code != 200:
         reason = body.get("error", {}).get("message", str(body))
         registry.tag(version.version, status="swap_refused", reason=reason)
@@ -158,7 +160,7 @@ def promote(registry: Registry, server: AdminClient, version, path: str, cfg: Pr
                        seconds=time.perf_counter() - t0)
     check = canary(server, canary_seqs, expected)
     if not (check["finite"] and check["mean_abs_dlogprob"] <= cfg.canary_tolerance):
-        back, body_back = server.swap(before["path"], cfg.swap_mode)
+        back, body_back = server.swap(before["path"], cfg.swap_mode, before.get("draft_path") if draft_path else None)
         reason = (f"canary after the swap: mean |Δ logprob| {check['mean_abs_dlogprob']:.4g} against the gate's "
                   f"engine (tolerance {cfg.canary_tolerance:g}); swapped back ({back})")
         registry.tag(version.version, status="rolled_back", reason=reason, canary=check)

@@ -122,6 +122,15 @@ def train_draft(target, draft, train: Sequences, cfg: SpeculatorConfig, progress
     return history
 
 
+def save_draft(draft, target: str | Path, folder: str | Path) -> None:
+    """The draft's weights and config, with the target's tokenizer files and chat template."""
+    folder = Path(folder)
+    draft.save_pretrained(str(folder), safe_serialization=True)
+    for f in sorted(Path(target).iterdir()):
+        if f.is_file() and f.suffix not in _WEIGHTS and f.name not in _WRITTEN and not (folder / f.name).exists():
+            shutil.copy2(f, folder / f.name)
+
+
 def distill(target_path: str | Path, trace_root: str | Path, out_dir: str | Path, cfg: SpeculatorConfig,
             weight_versions: list[int] | None = None, since: datetime | None = None, parent: str | None = None,
             target_version: int | None = None, progress: bool = True,
@@ -154,10 +163,7 @@ def distill(target_path: str | Path, trace_root: str | Path, out_dir: str | Path
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        draft.save_pretrained(str(tmp), safe_serialization=True)
-        for f in sorted(Path(target_path).iterdir()):  # the target's tokenizer and chat template
-            if f.is_file() and f.suffix not in _WEIGHTS and f.name not in _WRITTEN and not (tmp / f.name).exists():
-                shutil.copy2(f, tmp / f.name)
+        save_draft(draft, target_path, tmp)
         manifest = SpeculatorManifest(
             path=str(out.resolve()), target=str(Path(target_path).resolve()),
             target_sha256=checkpoint_sha256(target_path), target_version=target_version, parent=warm, traces=traces,

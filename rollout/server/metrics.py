@@ -29,8 +29,11 @@ class FlywheelMetrics:
                                      registry=r)
         self.hit_rate = Gauge("flywheel_prefix_cache_hit_rate", "Cached / prompt tokens since start.", registry=r)
         self.hit_rate.set_function(self._hit_rate)
-        self.spec_draft = Counter("flywheel_spec_draft_tokens", "Speculative draft tokens proposed.", registry=r)
-        self.spec_accepted = Counter("flywheel_spec_accepted_tokens", "Speculative draft tokens accepted.", registry=r)
+        # per weight version: a draft is swapped with its target, so this is the live acceptance of each pair
+        self.spec_draft = Counter("flywheel_spec_draft_tokens", "Speculative draft tokens proposed.",
+                                  ["weight_version"], registry=r)
+        self.spec_accepted = Counter("flywheel_spec_accepted_tokens", "Speculative draft tokens accepted.",
+                                     ["weight_version"], registry=r)
         self.rejected = Counter("flywheel_requests_rejected", "Requests refused at the queue limit (429).", registry=r)
         self.in_flight = Gauge("flywheel_requests_in_flight", "Engine requests admitted and not finished.", registry=r)
         self._prompt, self._cached = 0, 0
@@ -45,8 +48,9 @@ class FlywheelMetrics:
         self._cached += rec.num_cached_tokens
         self.prompt_tokens.inc(n)
         self.cached_tokens.inc(rec.num_cached_tokens)
-        self.spec_draft.inc(rec.spec_draft_tokens)
-        self.spec_accepted.inc(rec.spec_accepted_tokens)
+        if rec.spec_draft_tokens:
+            self.spec_draft.labels(str(rec.weight_version)).inc(rec.spec_draft_tokens)
+            self.spec_accepted.labels(str(rec.weight_version)).inc(rec.spec_accepted_tokens)
 
     def render(self) -> bytes:
         from vllm.v1.metrics.prometheus import get_prometheus_registry

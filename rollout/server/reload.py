@@ -25,9 +25,10 @@ async def freeze(inner, clear_cache: bool) -> None:
     await inner.engine_core.pause_scheduler_async(mode="keep", clear_cache=clear_cache)
 
 
-async def start_engine(args, path: str):
-    """A second `AsyncLLM` on `path` with the serving engine's arguments (built in a thread: the
-    start takes seconds and must not stall the event loop that serves the running engine)."""
+async def start_engine(args, path: str, draft_path: str | None = None):
+    """A second `AsyncLLM` on `path` with the serving engine's arguments, and `draft_path` as its
+    draft model when it speculates with one (built in a thread: the start takes seconds and must
+    not stall the event loop that serves the running engine)."""
     import copy
 
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -37,6 +38,8 @@ async def start_engine(args, path: str):
 
     a = copy.copy(args)
     a.model, a.tokenizer = path, path
+    if draft_path is not None and isinstance(getattr(a, "speculative_config", None), dict):
+        a.speculative_config = {**a.speculative_config, "model": draft_path}
     engine_args = AsyncEngineArgs.from_cli_args(a)
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     unregister_vllm_metrics()  # the new engine registers its own series under the same names

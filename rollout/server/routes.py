@@ -96,6 +96,7 @@ def add_routes(app, st) -> None:
             return denied
         w = st.engine.weights
         return {"weight_version": w.version, "path": w.path, "checkpoint_sha256": w.checkpoint_sha256,
+                "draft_path": w.draft_path,
                 "in_flight": st.engine.gate.in_flight, "gate_open": st.engine.gate.is_open,
                 "stack": dict((w.stack or st.stack).__dict__), "failure": st.unhealthy()}
 

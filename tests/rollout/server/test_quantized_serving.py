@@ -93,7 +93,7 @@ def test_w4a16_serves_and_hot_swaps_in_place(srv_w4a16):
 
 
 def test_w8a8_serves_and_swaps_through_a_second_engine_under_load(srv_w8a8):
-    from test_hot_swap import StreamingLoad
+    from srv_util import StreamingLoad
 
     server, q2 = srv_w8a8
     _says_what_it_serves(server, "w8a8")

@@ -33,13 +33,15 @@ def test_speculative_config_and_vllm_args():
         SpeculativeConfig(method="draft")
     with pytest.raises(ValueError, match="ngram_min"):
         SpeculativeConfig(method="ngram", ngram_min=3, ngram_max=2)
-    args = vllm_cli_args(ServeConfig(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=2)),
-                         EngineConfig(), "/m", port=1234)
+    args = vllm_cli_args(ServeConfig(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=2),
+                                     logprobs_mode="raw_logprobs"), EngineConfig(), "/m", port=1234)
     spec = json.loads(args[args.index("--speculative-config") + 1])
     assert spec == {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     assert args[args.index("--port") + 1] == "1234" and "--enable-prefix-caching" in args
     assert args[args.index("--tool-call-parser") + 1] == "hermes" and "--enable-auto-tool-choice" in args
     assert "--speculative-config" not in vllm_cli_args(ServeConfig(), EngineConfig(), "/m")
+    with pytest.raises(ValueError, match="needs logprobs_mode raw_logprobs"):  # vLLM's speculated NaNs
+        ServeConfig(speculative=SpeculativeConfig(method="ngram"))
 
 
 def test_loop_config_builds_serve_from_yaml():
@@ -47,7 +49,7 @@ def test_loop_config_builds_serve_from_yaml():
     from loop.configs import ConfigError
 
     tiny = Path(__file__).resolve().parents[3] / "conf" / "tiny.yaml"
-    cfg = load_config(tiny, ["serve.port=9001", "serve.speculative.method=ngram"])
+    cfg = load_config(tiny, ["serve.port=9001", "serve.speculative.method=ngram", "serve.logprobs_mode=raw_logprobs"])
     assert cfg.serve.port == 9001 and cfg.serve.speculative.method == "ngram"
     with pytest.raises(ConfigError, match="serve.prot"):
         load_config(tiny, ["+serve.prot=1"])

@@ -6,14 +6,16 @@ complete survives (the WAL is replayed by the next writer). One engine for all."
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import httpx
 import pytest
-from srv_util import ServerProc, chat_messages, perturbed_copy
+from srv_util import ServerProc, StreamingLoad, chat_messages, perturbed_copy, sse_events
 
 pytestmark = pytest.mark.slow
 
@@ -40,6 +42,7 @@ def srv_spec(tiny_base, tmp_path_factory):
     shutil.copytree(tiny_base.path, draft)
     server = ServerProc(tiny_base.path, root / "data", root / "server.log",
                         ["serve.speculative.method=draft", f"serve.speculative.draft_model={draft}",
+                         "serve.logprobs_mode=raw_logprobs",
                          "serve.speculative.num_speculative_tokens=3"]).wait_healthy()
     try:
         yield server
@@ -77,9 +80,18 @@ def test_draft_speculation_keeps_greedy_output_and_counts_acceptance(srv_spec, s
         row = srv_spec.trace(trace_id)
         assert row["spec_draft_tokens"] > 0 and 0 <= row["spec_accepted_tokens"] <= row["spec_draft_tokens"]
         assert row["speculator_version"].startswith("draft:")
+    # sampled at T=1 with logprobs (what the collector asks): finite behaviour logprobs in the trace
+    r = httpx.post(srv_spec.url + "/v1/chat/completions", json={
+        "model": "flywheel", "messages": chat_messages(texts[0]), "max_tokens": 24, "temperature": 1.0,
+        "logprobs": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    row = srv_spec.trace(r.headers["x-flywheel-trace-id"])
+    assert row["spec_draft_tokens"] > 0 and all(math.isfinite(x) and x <= 0 for x in row["completion_logprobs"])
     text = httpx.get(srv_spec.url + "/metrics").text
-    draft = [float(x.split()[-1]) for x in text.splitlines() if x.startswith("flywheel_spec_draft_tokens_total")]
-    assert draft and draft[0] > 0
+    version = srv_spec.admin("GET", "/admin/status").json()["weight_version"]
+    draft = [float(x.split()[-1]) for x in text.splitlines()
+             if x.startswith(f'flywheel_spec_draft_tokens_total{{weight_version="{version}"}}')]
+    assert draft and draft[0] > 0  # live acceptance per weight version (a draft swaps with its target)
     assert "vllm:spec_decode_num_draft_tokens" in text
 
 
@@ -95,6 +107,32 @@ def test_draft_swaps_with_the_target(srv_spec, tiny_base, tmp_path_factory):
     assert after < before - 0.3, (before, after)
     assert outs_after == outs  # the target is unchanged, and speculation never changes greedy output
     assert all(str(scrambled) in r["speculator_version"] and r["weight_version"] == 1 for r in rows)
+
+
+def test_target_and_draft_swap_together_under_streaming_load(srv_spec, tiny_base, tmp_path_factory):
+    """One swap replaces the target and its draft: no request fails, and every trace names the
+    weight version and the draft it was served with, consistently."""
+    root = tmp_path_factory.mktemp("pair")
+    target = perturbed_copy(tiny_base.path, root / "target", scale=0.05)
+    draft = perturbed_copy(tiny_base.path, root / "draft", scale=0.5, seed=2)
+    old = srv_spec.admin("GET", "/admin/status").json()
+    with StreamingLoad(srv_spec.url, n=4) as load:
+        assert load.streaming.wait(60), "no stream got going"
+        r = srv_spec.admin("POST", "/admin/weights", json={"path": str(target), "draft_path": str(draft)})
+        time.sleep(3)
+    assert r.status_code == 200, r.text
+    new = srv_spec.admin("GET", "/admin/status").json()
+    assert new["weight_version"] == old["weight_version"] + 1 and new["draft_path"] == str(draft.resolve())
+    failed = [x for x in load.results if x[0] != 200 or not x[3] or any("error" in e for e in sse_events(x[4]))]
+    assert not failed, failed[:3]
+    rows = {x["trace_id"]: x for x in srv_spec.traces()}
+    drafts = {old["weight_version"]: f"draft:{old['draft_path']}", new["weight_version"]: f"draft:{draft.resolve()}"}
+    served = {v for _, _, v, _, _ in load.results}
+    assert served == set(drafts), served  # traffic on both sides of the swap
+    for _, trace_id, version, _, _ in load.results:
+        row = rows[trace_id]
+        assert row["status"] == "ok" and row["weight_version"] == version
+        assert row["speculator_version"] == drafts[version], (version, row["speculator_version"])
 
 
 def test_kill_9_loses_no_completed_request_trace(srv_spec):
