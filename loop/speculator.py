@@ -56,9 +56,12 @@ def deploys(cfg) -> tuple[bool, str]:
                          f"got {cfg.serve.speculative.method!r}")
     caps, t = detect(), cfg.collect.rollout.temperature
     if not caps.speculates_exactly(t):
-        return False, (f"vLLM on {caps.device} does not sample from the target when it speculates at "
-                       f"temperature {t:g} (collect.rollout.temperature): drafts are trained and measured "
-                       "offline, not served by the rollout server")
+        why = (f"vLLM on {caps.device} does not sample from the target when it speculates at temperature {t:g} "
+               "(collect.rollout.temperature)")
+        if not cfg.speculator.allow_inexact:
+            return False, f"{why}: drafts are trained and measured offline, not served by the rollout server"
+        print(f"[loop] speculator: {why}; served anyway (speculator.allow_inexact): rollouts are not the "
+              "policy's samples", flush=True)
     if cfg.serve.logprobs_mode != "raw_logprobs":
         raise ValueError("speculator.enabled: a speculating server needs serve.logprobs_mode: raw_logprobs (vLLM "
                          "returns NaN processed logprobs for speculated tokens; raw ones are exact at temperature 1)")
