@@ -144,7 +144,8 @@ def cycle(lp: Loop, k: int) -> CycleState:
     lp.display.note(success=verdict.summary.get("candidate_success"), kl=verdict.summary.get("kl_drift_mean"))
     draft = None
     if lp.speculating:
-        spec = _phase(lp, c, "speculator", lambda: speculator_step(lp, k, collected, verdict, cand), SpeculatorStep.from_dict)
+        spec = _phase(lp, c, "speculator", lambda: speculator_step(lp, k, collected, verdict, cand),
+                      SpeculatorStep.from_dict)
         draft = spec if spec.target in ("candidate", "offline") else None
 
     def promote():
@@ -205,13 +206,14 @@ def _pct(x) -> str:
 
 
 def success_by_cycle(state: LoopState) -> list[dict]:
-    """Per finished cycle: the eval success of the candidate and of what serves after the cycle."""
-    rows, served = [], None
-    for c in state.cycles:
-        s = c.done.get("validate", {}).get("summary", {})
-        if served is None and s.get("serving_success") is not None:
-            rows.append({"cycle": 0, "served": s["serving_success"], "candidate": None, "outcome": "base"})
-            served = s["serving_success"]
+    """Per finished cycle: the eval success of the candidate and of what serves after the cycle
+    (cycle 0: the base as served, known from the first cycle that reached validate; none before)."""
+    summaries = [c.done.get("validate", {}).get("summary", {}) for c in state.cycles]
+    served = next((s["serving_success"] for s in summaries if s.get("serving_success") is not None), None)
+    if served is None:
+        return []
+    rows = [{"cycle": 0, "served": served, "candidate": None, "outcome": "base"}]
+    for c, s in zip(state.cycles, summaries):
         if c.finished:
             if c.outcome == "serving" and s.get("candidate_success") is not None:
                 served = s["candidate_success"]

@@ -56,12 +56,9 @@ def deploys(cfg) -> tuple[bool, str]:
                          f"got {cfg.serve.speculative.method!r}")
     caps, t = detect(), cfg.collect.rollout.temperature
     if not caps.speculates_exactly(t):
-        why = (f"vLLM on {caps.device} does not sample from the target when it speculates at temperature {t:g} "
-               "(collect.rollout.temperature)")
-        if not cfg.speculator.allow_inexact:
-            return False, f"{why}: drafts are trained and measured offline, not served by the rollout server"
-        print(f"[loop] speculator: {why}; served anyway (speculator.allow_inexact): rollouts are not the "
-              "policy's samples", flush=True)
+        return False, (f"vLLM on {caps.device} does not sample from the target when it speculates at "
+                       f"temperature {t:g} (collect.rollout.temperature): drafts are trained and measured "
+                       "offline, not served by the rollout server")
     if cfg.serve.logprobs_mode != "raw_logprobs":
         raise ValueError("speculator.enabled: a speculating server needs serve.logprobs_mode: raw_logprobs (vLLM "
                          "returns NaN processed logprobs for speculated tokens; raw ones are exact at temperature 1)")
@@ -111,7 +108,8 @@ def decide(cfg, passed: bool, live: dict, offline_rate: float | None) -> tuple[s
         return "serving", "the serving draft was never trained on traffic"
     floor = cfg.speculator.refresh_below * offline_rate
     if live["rate"] < floor:
-        return "serving", f"live acceptance {live['rate']:.3f} < {cfg.speculator.refresh_below} x offline {offline_rate:.3f}"
+        return "serving", (f"live acceptance {live['rate']:.3f} < {cfg.speculator.refresh_below} x offline "
+                           f"{offline_rate:.3f}")
     return None, f"live acceptance {live['rate']:.3f} >= {cfg.speculator.refresh_below} x offline {offline_rate:.3f}"
 
 
@@ -128,7 +126,8 @@ def speculator_phase(cfg, target_fp: str, collected, parent: str | None, run_dir
         m = SpeculatorManifest.load(out)
     else:
         with start_run(cfg, "speculator", tags={"phase": "speculator", "target": target_fp, "why": why}):
-            m = distill(target_fp, collected.trace_root, out, cfg.speculator, weight_versions=list(collected.weight_versions),
+            m = distill(target_fp, collected.trace_root, out, cfg.speculator,
+                        weight_versions=list(collected.weight_versions),
                         since=datetime.fromisoformat(collected.started_at), parent=parent)
             mlflow.log_metrics({"speculator/offline_rate": m.offline["rate"],
                                 "speculator/offline_length": m.offline["length"],

