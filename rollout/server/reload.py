@@ -38,7 +38,9 @@ async def start_engine(args, path: str, draft_path: str | None = None):
 
     a = copy.copy(args)
     a.model, a.tokenizer = path, path
-    if draft_path is not None and isinstance(getattr(a, "speculative_config", None), dict):
+    if draft_path is not None:
+        if not isinstance(getattr(a, "speculative_config", None), dict):
+            raise RuntimeError("a draft was given, but the serving engine's arguments have no speculative config")
         a.speculative_config = {**a.speculative_config, "model": draft_path}
     engine_args = AsyncEngineArgs.from_cli_args(a)
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
