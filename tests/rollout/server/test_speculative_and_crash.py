@@ -135,6 +135,62 @@ def test_target_and_draft_swap_together_under_streaming_load(srv_spec, tiny_base
         assert row["speculator_version"] == drafts[version], (version, row["speculator_version"])
 
 
+SHAPE_KEYS = (("hidden_size", "hidden_size"), ("num_layers", "num_hidden_layers"), ("num_heads", "num_attention_heads"),
+              ("num_kv_heads", "num_key_value_heads"), ("intermediate_size", "intermediate_size"))
+
+
+def test_the_loop_refreshes_a_draft_whose_live_acceptance_fell_behind(srv_spec, tiny_base, tmp_path):
+    """The loop's speculator phase against this speculating server (T=0 traffic, where vLLM-CPU
+    speculates exactly): the serving draft accepts far less than its offline estimate claims, so a
+    draft is distilled for the serving target on the traffic just served and swapped in beside it."""
+    from datetime import datetime, timezone
+    from types import SimpleNamespace
+
+    import mlflow
+
+    from loop.collect import Endpoint
+    from loop.config import load_config
+    from loop.cycle import Display, Loop
+    from loop.speculator import speculator_step
+    from loop.state import LoopState
+    from srv_util import ADMIN_TOKEN
+
+    from transformers import AutoConfig
+
+    status = srv_spec.admin("GET", "/admin/status").json()
+    served = AutoConfig.from_pretrained(status["draft_path"])
+    started = datetime.now(timezone.utc)
+    texts = [f"A shelf holds {n} books and {n + 3} more arrive. How many books?" for n in range(2, 26)]
+    for text in texts:
+        _greedy_chat(srv_spec.url, text)
+    assert srv_spec.admin("POST", "/admin/flush").status_code == 200
+    cfg = load_config("conf/tiny.yaml", [f"run_dir={tmp_path}", f"serve.trace_root={srv_spec.trace_root}",
+                                         "speculator.enabled=true", "serve.logprobs_mode=raw_logprobs",
+                                         "speculator.steps=20", "speculator.batch_size=8", "speculator.lr=0.01",
+                                         "speculator.heldout_fraction=0.5", "speculator.eval_positions=200",
+                                         # the serving draft's shape: an in-place reload cannot change it
+                                         *(f"speculator.draft.{k}={getattr(served, v)}" for k, v in SHAPE_KEYS)])
+    state = LoopState("t", "sha", {}, serving={"path": status["path"], "fp": status["path"], "version": None,
+                                               "draft": status["draft_path"], "draft_offline": 0.95})
+    state.path = str(tmp_path / "loop_state.json")
+    lp = Loop(cfg, state, Endpoint(srv_spec.url, ADMIN_TOKEN), status["path"], Display(1), speculating=True,
+              deploying=True)
+    collected = SimpleNamespace(trace_root=str(srv_spec.trace_root), weight_versions=(status["weight_version"],),
+                                started_at=started.isoformat())
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    with mlflow.start_run():
+        step = speculator_step(lp, 1, collected, SimpleNamespace(passed=False), None)
+    assert step.live["draft"] > 0 and step.live["rate"] < 0.7 * 0.95, step.live
+    assert step.target == "serving" and "x offline 0.950" in step.reason
+    assert step.swap["code"] == 200, step.swap
+    now = srv_spec.admin("GET", "/admin/status").json()
+    assert now["draft_path"] == step.draft == state.serving["draft"] and now["path"] == status["path"]
+    assert now["weight_version"] == status["weight_version"] + 1  # a version names the (target, draft) pair
+    assert state.serving["draft_offline"] == step.offline["rate"]
+    _, trace_id = _greedy_chat(srv_spec.url, texts[0])
+    assert srv_spec.trace(trace_id)["speculator_version"] == f"draft:{step.draft}"
+
+
 def test_kill_9_loses_no_completed_request_trace(srv_spec):
     from rollout.traces import TraceConfig, TraceWriter, read_traces
 
