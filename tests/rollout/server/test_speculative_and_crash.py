@@ -153,6 +153,7 @@ def test_the_loop_refreshes_a_draft_whose_live_acceptance_fell_behind(srv_spec, 
     from loop.cycle import Display, Loop
     from loop.speculator import speculator_step
     from loop.state import LoopState
+    from loop.tracking import use_store
     from srv_util import ADMIN_TOKEN
 
     from transformers import AutoConfig
@@ -177,7 +178,7 @@ def test_the_loop_refreshes_a_draft_whose_live_acceptance_fell_behind(srv_spec, 
               deploying=True)
     collected = SimpleNamespace(trace_root=str(srv_spec.trace_root), weight_versions=(status["weight_version"],),
                                 started_at=started.isoformat())
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    use_store(cfg)  # the run's own store and experiment (another test may have left another active)
     with mlflow.start_run():
         step = speculator_step(lp, 1, collected, SimpleNamespace(passed=False), None)
     assert step.live["draft"] > 0 and step.live["rate"] < 0.7 * 0.95, step.live
