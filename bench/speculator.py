@@ -203,7 +203,7 @@ def worker(job: dict) -> dict:
         d1, a1 = spec_counts(llm)
         tokens = sum(len(turn.completion.token_ids) for e in eps for turn in e.turns)
         out[str(t)] = {"tokens": tokens, "seconds": sec, "tokens_per_s": tokens / sec, "draft": d1 - d0,
-                       "accepted": a1 - a0, "steps": None,
+                       "accepted": a1 - a0,
                        "outputs": [[list(turn.completion.token_ids) for turn in e.turns] for e in eps] if t == 0 else None}
     return out
 

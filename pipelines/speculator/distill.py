@@ -70,14 +70,13 @@ def start_draft(target, cfg: SpeculatorConfig, parent: str | None):
     return new_draft(target.config, cfg.draft, cfg.seed), None
 
 
-def distill_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, tokens: torch.Tensor, cfg: SpeculatorConfig
-                 ) -> tuple[torch.Tensor, dict[str, float]]:
+def distill_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor | None, tokens: torch.Tensor,
+                 cfg: SpeculatorConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """[N, V] logits at the scored positions and [N] served tokens -> the loss and its parts."""
-    t = cfg.temperature if cfg.temperature > 0 else 1.0
-    q = F.log_softmax(draft_logits / t, -1)
     loss, parts = torch.zeros(()), {}
     if cfg.soft_weight > 0:
-        p = F.log_softmax(target_logits / t, -1)
+        t = cfg.temperature if cfg.temperature > 0 else 1.0
+        p, q = F.log_softmax(target_logits / t, -1), F.log_softmax(draft_logits / t, -1)
         soft = (p.exp() * (p - q)).sum(-1).mean()
         loss = loss + cfg.soft_weight * soft
         parts["kl"] = float(soft.detach())
@@ -85,7 +84,8 @@ def distill_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, tokens
         hard = F.cross_entropy(draft_logits, tokens)
         loss = loss + cfg.hard_weight * hard
         parts["ce"] = float(hard.detach())
-    parts["top1_match"] = float((draft_logits.argmax(-1) == target_logits.argmax(-1)).float().mean())
+    if target_logits is not None:  # hard labels only: no target forward, nothing to compare with
+        parts["top1_match"] = float((draft_logits.argmax(-1) == target_logits.argmax(-1)).float().mean())
     return loss, parts
 
 
@@ -109,7 +109,7 @@ def train_draft(target, draft, train: Sequences, cfg: SpeculatorConfig, progress
             with torch.no_grad():
                 target_logits = target(input_ids=x, attention_mask=attn).logits[:, :-1][scored].float()
         logits = draft(input_ids=x, attention_mask=attn).logits[:, :-1][scored].float()
-        loss, parts = distill_loss(logits, target_logits if target_logits is not None else logits.detach(), tokens, cfg)
+        loss, parts = distill_loss(logits, target_logits, tokens, cfg)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)

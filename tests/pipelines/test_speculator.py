@@ -80,3 +80,13 @@ def test_new_draft_takes_the_target_vocabulary_and_its_own_shape(tiny_base):
     assert draft(input_ids=x).logits.shape == target(input_ids=x).logits.shape
     with pytest.raises(ValueError, match="speculator.draft.num_layers"):
         DraftShape(num_layers=0)
+
+
+def test_hard_labels_need_no_target_forward():
+    from pipelines.speculator.distill import distill_loss
+
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.0, 1.0, 0.0]], requires_grad=True)
+    tokens = torch.tensor([0, 1])
+    loss, parts = distill_loss(logits, None, tokens, SpeculatorConfig(soft_weight=0.0, hard_weight=1.0))
+    assert loss.item() == pytest.approx(torch.nn.functional.cross_entropy(logits, tokens).item())
+    assert set(parts) == {"ce"}  # no target logits: no KL, no top-1 agreement to report
