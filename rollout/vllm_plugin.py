@@ -1,11 +1,23 @@
 """Flywheel's vLLM general plugin (entry point `vllm.general_plugins` in pyproject.toml).
 
-vLLM calls `register()` in each of its processes. In the engine core, and only when
-`FLYWHEEL_ENGINE_CORE_SPIN_S` is set (`rollout.cpu_placement.apply_env`), it sets how long the
-engine core busy-waits on the workers' shared-memory reply queue before it sleeps on the queue's
-notify socket: vLLM hard-codes 1 s (`SpinCondition(busy_loop_s=1)`), which on a CPU machine takes
-the cores the API server needs (see rollout/cpu_placement.py for the numbers). The workers keep
-vLLM's spin: they are bound to their own cores.
+vLLM calls `register()` in each of its processes. Only when `FLYWHEEL_ENGINE_CORE_SPIN_S` is set
+(`rollout.cpu_placement.apply_env`) it changes vLLM's shared-memory queues between the engine
+core and its workers:
+
+- In the engine core, how long a reader busy-waits on the workers' reply queue before it sleeps
+  on the queue's notify socket: vLLM hard-codes 1 s (`SpinCondition(busy_loop_s=1)`), which on a
+  CPU machine takes the cores the API server needs (see rollout/cpu_placement.py for the
+  numbers). The workers keep vLLM's spin: they are bound to their own cores.
+- In the engine core and the workers, that a sleeping reader is woken. vLLM's writer notifies
+  through a zmq PUB socket with a send high-water mark of 1, and zmq gives the writer its credit
+  back only when the writer next processes commands (at most every ~1 ms), so a second
+  notification sent within ~1 ms of the first is dropped. The worker answers each step twice in
+  quick succession (`execute_model`, then `sample_tokens`); an engine core asleep in between
+  misses the second answer and waits for vLLM's recheck, 5 s. With vLLM's 1 s spin it is rarely
+  asleep there; with ours it is, and steps stalled for seconds under load (py-spy: the engine
+  core waiting in `sample_tokens` while the worker, having answered, waits for the next step).
+  So writers bind their notify socket with a high-water mark that drops nothing (`NOTIFY_HWM`).
+  tests/rollout/server/test_cpu_placement.py shows the drop on vLLM's own queue.
 """
 
 from __future__ import annotations
@@ -17,29 +29,40 @@ import os
 from rollout.cpu_placement import SPIN_ENV
 
 log = logging.getLogger("flywheel")
+NOTIFY_HWM = 1024  # notifications a queue writer may have on their way to a reader (vLLM: 1)
 
 
 def register() -> None:
     value = os.environ.get(SPIN_ENV)
-    if value is None or not multiprocessing.current_process().name.startswith("EngineCore"):
+    name = multiprocessing.current_process().name
+    if value is None or not name.startswith(("EngineCore", "VllmWorker")):
         return
     try:
         spin_s = float(value)
     except ValueError:
         raise ValueError(f"{SPIN_ENV} must be a number of seconds, got {value!r}") from None
-    set_engine_core_spin(spin_s)
+    patch_shm_queues(spin_s if name.startswith("EngineCore") else None)
 
 
-def set_engine_core_spin(spin_s: float) -> None:
-    """Make shared-memory queue readers created from now on in this process busy-wait `spin_s`."""
+def patch_shm_queues(spin_s: float | None, notify_hwm: int = NOTIFY_HWM) -> None:
+    """Shared-memory queues created from now on in this process: readers busy-wait `spin_s`
+    (None: vLLM's 1 s) before they sleep, writers bind their notify socket with send high-water
+    mark `notify_hwm` (zmq applies it to endpoints bound after it is set). Idempotent."""
+    import zmq
     from vllm.distributed.device_communicators import shm_broadcast
 
     cls = shm_broadcast.SpinCondition
     init = getattr(cls.__init__, "__wrapped__", cls.__init__)
 
-    def __init__(self, is_reader, context, notify_address, busy_loop_s=spin_s):
-        init(self, is_reader, context, notify_address, busy_loop_s)
+    def __init__(self, is_reader, context, notify_address, busy_loop_s=1):
+        init(self, is_reader, context, notify_address, busy_loop_s if spin_s is None else spin_s)
+        if not is_reader:
+            sock = self.local_notify_socket
+            sock.unbind(notify_address)
+            sock.setsockopt(zmq.SNDHWM, notify_hwm)
+            sock.bind(notify_address)
 
     __init__.__wrapped__ = init
     cls.__init__ = __init__
-    log.info("engine core: shared-memory queue busy-wait %.3g s (vLLM's default: 1 s)", spin_s)
+    log.info("shared-memory queues: reader busy-wait %s, notify high-water mark %d (vLLM: 1 s, 1)",
+             "1 s" if spin_s is None else f"{spin_s:.3g} s", notify_hwm)
