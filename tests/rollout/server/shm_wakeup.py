@@ -18,7 +18,7 @@ import time
 
 from vllm.distributed.device_communicators import shm_broadcast
 
-from rollout.vllm_plugin import patch_shm_queues
+from rollout.vllm_plugin import NOTIFY_HWM, patch_shm_queues
 
 
 def waits(rounds: int) -> list[float]:
@@ -57,5 +57,5 @@ def waits(rounds: int) -> list[float]:
 
 if __name__ == "__main__":
     shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = 1000
-    patch_shm_queues(0.0, notify_hwm=1 if sys.argv[1] == "vllm" else 1024)  # vLLM binds with 1
+    patch_shm_queues(0.0, notify_hwm=1 if sys.argv[1] == "vllm" else NOTIFY_HWM)  # vLLM binds with 1
     print(json.dumps(waits(int(sys.argv[2]) if len(sys.argv) > 2 else 8)))
