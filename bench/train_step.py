@@ -2,8 +2,9 @@
 
 1. RL step vs a plain torch step (forward, token-mean cross-entropy on the same sampled tokens,
    backward, clip, AdamW) of the same QAT-prepared model on the same minibatches: target >= 0.85x;
-2. the cost of QAT: the RL step on the prepared model vs on the plain one;
-3. Ray's overhead: the same job under Ray Train's TorchTrainer with 1 and 2 workers vs in this
+2. sharing each group's prompt in the forward (`share_prefix`) vs a padded forward of every row;
+3. the cost of QAT: the RL step on the prepared model vs on the plain one;
+4. Ray's overhead: the same job under Ray Train's TorchTrainer with 1 and 2 workers vs in this
    process: start-up seconds (wall time beyond the job's own) and the per-step time ratio.
 
     python bench/train_step.py [--dataset DIR] [--model DIR] [--steps 6]
@@ -82,7 +83,7 @@ def main() -> None:
     rl = dataclasses.replace(cfg.trainer, max_steps=a.steps, epochs=100, progress=False, num_workers=0,
                              qat=spec is not None)
     episodes = load_episodes(check_dataset(a.dataset), rl.adv_estimator, rl.norm_adv_by_std, rl.min_group_size)
-    plan = minibatch_plan(len(episodes), rl, 1)
+    plan = minibatch_plan(episodes.group_ids, rl, 1)
     tokens = [int(sum(episodes.loss_mask[i].sum() for i in rows)) for _, rows in plan]
     tmp = Path(tempfile.mkdtemp(prefix="fw-bench-train-"))
     out: dict = {"dataset": a.dataset, "model": a.model, "serving_format": fmt, "steps": a.steps,
@@ -102,6 +103,8 @@ def main() -> None:
     out["plain_step_s"] = plain_qat
     out["rl_step_s"] = rl_qat["step_s"]
     out["rl_vs_plain_tokens_per_s"] = plain_qat / rl_qat["step_s"]
+    out["rl_step_s_no_share"] = rl_run("rl_no_share", share_prefix=False)["step_s"]
+    out["share_prefix_speedup"] = out["rl_step_s_no_share"] / rl_qat["step_s"]
     if spec is not None:
         plain_model = prepare_policy(a.model, dataclasses.replace(rl, qat=False), None)
         out["plain_step_s_no_qat"] = med(plain_steps(plain_model.train(), episodes, plan, pad_id))
@@ -118,6 +121,8 @@ def main() -> None:
     print(json.dumps(out, indent=2))
     print(f"RL step vs plain forward+backward on the same tokens ({out['sampled_tokens_per_step']:.0f} sampled "
           f"tokens/step, {fmt} QAT): {out['rl_vs_plain_tokens_per_s']:.2f}x (target >= 0.85)")
+    print(f"Each group's prompt computed once (share_prefix): RL step {out['share_prefix_speedup']:.2f}x faster "
+          f"than with every row's prompt computed")
     if "qat_cost_rl_step" in out:
         print(f"QAT cost: RL step {out['qat_cost_rl_step']:.2f}x the plain model's "
               f"(plain step {out['plain_step_s'] / out['plain_step_s_no_qat']:.2f}x)")

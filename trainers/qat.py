@@ -6,13 +6,18 @@ but lm_head and `full_precision`) becomes a FakeQuantLinear that shares the orig
 (optimizer state and state_dict keys are unchanged, so `save_pretrained` still writes the latent
 full-precision weights). Its forward fake-quantizes the weight with scales recomputed from the
 current weight at every step (compressed-tensors' memoryless minmax rule), straight-through
-gradients, and for W8A8 also fake-quantizes the input per token as vLLM does.
+gradients, and for W8A8 also fake-quantizes the input per token as vLLM does. Inside
+`fake_quant_once(model)` each layer fake-quantizes its weight once and reuses it for every
+forward (one optimizer step that runs the model in pieces: a shared prompt, then its rows).
 
 convert: each FakeQuantLinear becomes a kernels.QuantizedLinear holding the real int weights
 in compressed-tensors layout. Because scales are a pure function of the weight, convert equals
 requantizing the latent weights (pipelines.quantize.quantize_checkpoint) bit for bit, and a
 converted layer's dequantized weight equals the fake-quant weight bit for bit.
 """
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -29,6 +34,8 @@ class FakeQuantLinear(nn.Linear):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # the same Parameters, not copies
         self.spec, self.impl = spec, impl
+        self.held: tuple[bool, torch.Tensor] | None = None  # (grad mode, weight) under fake_quant_once
+        self.holding = False
 
     def fake_quantized_weight(self) -> torch.Tensor:
         scale, zero_point = weight_qparams(self.weight, self.spec, impl=self.impl)
@@ -37,10 +44,29 @@ class FakeQuantLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.activations == "int8_dynamic_token":
             x = fake_quant_act(x, self.spec, impl=self.impl)
-        return F.linear(x, self.fake_quantized_weight(), self.bias)
+        if not self.holding:
+            return F.linear(x, self.fake_quantized_weight(), self.bias)
+        if self.held is None or self.held[0] != torch.is_grad_enabled():
+            self.held = (torch.is_grad_enabled(), self.fake_quantized_weight())
+        return F.linear(x, self.held[1], self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, spec={self.spec.name}"
+
+
+@contextmanager
+def fake_quant_once(model: nn.Module) -> Iterator[None]:
+    """Within: every FakeQuantLinear fake-quantizes its weight on first use and reuses it (the
+    weights must not change inside; gradients of all uses add up in the one graph). Nothing
+    happens to a model that was not prepared."""
+    layers = [m for m in model.modules() if isinstance(m, FakeQuantLinear)]
+    for m in layers:
+        m.holding = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.holding, m.held = False, None
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -28,6 +28,7 @@ class RLConfig:
     minibatch_episodes: int = 64  # episodes per optimizer step, across all workers
     max_steps: int | None = None  # stop early after this many optimizer steps
     dtype: Literal["float32", "bfloat16"] = "float32"  # the trained (latent) weights and the forward
+    share_prefix: bool = True  # a group's prompt, common to its rows, is computed once per step
     seed: int = 0  # model-independent: shuffling and anything random in the step
     # algorithm: verl's core_algos, by name
     adv_estimator: str = "grpo"

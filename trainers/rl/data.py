@@ -48,6 +48,9 @@ class Minibatch:
     behaviour_logprobs: torch.Tensor  # (B, T-1) float, the served policy's logprob where loss_mask
     advantages: torch.Tensor  # (B, T-1) float, verl's estimator, 0 off loss_mask
     rows: torch.Tensor  # (B,) which episodes (indexes into Episodes)
+    # (first row, end row, shared prefix length) runs covering the rows: the rows of a run begin
+    # with the same tokens (a GRPO group's prompt), which the forward computes once; 0: no sharing
+    runs: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def tokens(self) -> int:
@@ -55,7 +58,7 @@ class Minibatch:
 
     def to(self, device: str | torch.device) -> "Minibatch":
         return Minibatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.loss_mask,
-                                                  self.behaviour_logprobs, self.advantages)), self.rows)
+                                                  self.behaviour_logprobs, self.advantages)), self.rows, self.runs)
 
 
 @dataclass
@@ -73,8 +76,11 @@ class Episodes:
     def __len__(self) -> int:
         return len(self.input_ids)
 
-    def minibatch(self, rows: list[int] | torch.Tensor, pad_id: int = 0, width: int | None = None) -> Minibatch:
-        """`rows` padded on the right to `width` tokens (default: the longest of them)."""
+    def minibatch(self, rows: list[int] | torch.Tensor, pad_id: int = 0, width: int | None = None,
+                  share_prefix: int | None = None) -> Minibatch:
+        """`rows` padded on the right to `width` tokens (default: the longest of them). With
+        `share_prefix`, neighbouring rows of one group whose common prefix is at least that many
+        tokens form a run the forward computes the prefix of once (`runs`)."""
         rows = torch.as_tensor(rows, dtype=torch.long)
         n = width or max(int(self.input_ids[i].numel()) for i in rows)
         b = len(rows)
@@ -86,7 +92,24 @@ class Episodes:
             ids[j, :k], att[j, :k] = self.input_ids[i], 1
             mask[j, :k - 1], blp[j, :k - 1], adv[j, :k - 1] = (self.loss_mask[i], self.behaviour_logprobs[i],
                                                                self.advantages[i])
-        return Minibatch(ids, att, mask, blp, adv, rows)
+        runs = self.prefix_runs(rows.tolist(), share_prefix) if share_prefix is not None else ()
+        return Minibatch(ids, att, mask, blp, adv, rows, runs)
+
+    def prefix_runs(self, rows: list[int], min_prefix: int) -> tuple[tuple[int, int, int], ...]:
+        """(start, end, prefix) over `rows`: maximal stretches of one group, each with the length
+        of its rows' common prefix (kept one token short of the shortest row, so every row has a
+        token of its own), or 0 where that is under `min_prefix` tokens or the stretch is one row."""
+        runs, start = [], 0
+        for j in range(1, len(rows) + 1):
+            if j < len(rows) and self.group_ids[rows[j]] == self.group_ids[rows[start]]:
+                continue
+            seqs = [self.input_ids[i] for i in rows[start:j]]
+            shortest = min(int(x.numel()) for x in seqs)
+            same = torch.stack([x[:shortest] for x in seqs]).eq(seqs[0][:shortest]).all(dim=0)
+            prefix = min(int(same.int().cumprod(0).sum()), shortest - 1)
+            runs.append((start, j, prefix if j - start > 1 and prefix >= min_prefix else 0))
+            start = j
+        return tuple(runs)
 
 
 def check_dataset(path: str | Path) -> RLDatasetManifest:

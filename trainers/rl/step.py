@@ -37,14 +37,37 @@ def token_logprobs(model, mb: Minibatch, with_entropy: bool = False,
     gradient only when `entropy_grad`: as a metric it needs none)."""
     from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits[:, :-1]
-    logits = logits.float()
+    logits = sequence_logits(model, mb)[:, :-1].float()
     logprobs = logprobs_from_logits(logits, mb.input_ids[:, 1:])
     entropy = None
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = entropy_from_logits(logits)
     return logprobs, entropy
+
+
+def sequence_logits(model, mb: Minibatch) -> torch.Tensor:
+    """(B, T, V) logits of the minibatch's rows. A run of rows sharing a prefix (a GRPO group's
+    prompt, `mb.runs`) computes it once: the prefix's forward fills a KV cache, repeated for each
+    row (gradients flow back through it), and the rows' own tokens attend to it. The same numbers
+    as one padded forward, in a fraction of the work when prompts are most of each episode."""
+    if not mb.runs:
+        return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+    parts = []
+    for start, end, prefix in mb.runs:
+        att = mb.attention_mask[start:end]
+        width = int(att.sum(dim=1).max())
+        ids, att = mb.input_ids[start:end, :width], att[:, :width]
+        if prefix == 0:
+            logits = model(input_ids=ids, attention_mask=att, use_cache=False).logits
+        else:
+            head = model(input_ids=ids[:1, :prefix], use_cache=True)
+            cache = head.past_key_values
+            cache.batch_repeat_interleave(end - start)
+            tail = model(input_ids=ids[:, prefix:], attention_mask=att, past_key_values=cache, use_cache=True)
+            logits = torch.cat([head.logits.expand(end - start, -1, -1), tail.logits], dim=1)
+        parts.append(torch.nn.functional.pad(logits, (0, 0, 0, mb.input_ids.shape[1] - width)))
+    return torch.cat(parts)
 
 
 def global_batch_info(cfg: RLConfig, global_tokens: int, global_episodes: int, dp_size: int) -> dict:

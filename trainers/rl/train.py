@@ -32,6 +32,7 @@ from trainers.rl.data import Episodes, check_dataset, load_episodes
 from trainers.rl.manifest import PolicyCheckpoint, save_manifest
 from trainers.rl.step import global_batch_info, rl_loss, token_logprobs
 
+SHARE_MIN = 8  # a group's common prefix shorter than this is computed per row
 PLAIN_MEAN = ("loss", "pg/loss", "kl_ref")  # already each rank's share of the global value x world
 _WEIGHTS = (".safetensors", ".bin")
 _WRITTEN = (MANIFEST, "model.safetensors.index.json", "config.json", "generation_config.json")  # by save()
@@ -78,6 +79,8 @@ def prepare_policy(parent: str, rl: RLConfig, spec: dict | None):
 def train(job: TrainJob, report: Callable[[int, dict], None] = lambda step, m: None, rank: int = 0,
           world: int = 1, device: str = "cpu") -> PolicyCheckpoint | None:
     """Run the job; rank 0 saves and returns the manifest (other ranks return None)."""
+    from trainers.qat import fake_quant_once
+
     t_start = time.perf_counter()
     rl = job.rl
     job.check()
@@ -91,7 +94,7 @@ def train(job: TrainJob, report: Callable[[int, dict], None] = lambda step, m: N
         ref = prepare_policy(job.parent, rl, job.spec).to(device).eval().requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=rl.lr, betas=rl.betas, weight_decay=rl.weight_decay)
-    batches = minibatch_plan(len(episodes), rl, world)
+    batches = minibatch_plan(episodes.group_ids, rl, world)
     sched = lr_schedule(opt, rl, len(batches))
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     proximal: list[torch.Tensor | None] = [None] * len(episodes)
@@ -101,15 +104,17 @@ def train(job: TrainJob, report: Callable[[int, dict], None] = lambda step, m: N
         t0 = time.perf_counter()
         mine = rows.tensor_split(world)[rank]
         width = max(int(episodes.input_ids[i].numel()) for i in rows)  # the global minibatch's
-        mb = episodes.minibatch(mine, pad_id, width=width).to(device)
+        mb = episodes.minibatch(mine, pad_id, width=width, share_prefix=SHARE_MIN if rl.share_prefix else None)
+        mb = mb.to(device)
         global_tokens = int(sum(episodes.loss_mask[i].sum() for i in rows))
         info = global_batch_info(rl, global_tokens, len(rows), world)
-        logprobs, entropy = token_logprobs(model, mb, with_entropy=True, entropy_grad=rl.entropy_coeff > 0)
+        with fake_quant_once(model):
+            logprobs, entropy = token_logprobs(model, mb, with_entropy=True, entropy_grad=rl.entropy_coeff > 0)
         prox = torch.stack([p if p is not None else lp for p, lp in
                             zip(pad_rows([proximal[i] for i in mine.tolist()], width - 1), logprobs.detach())])
         ref_lp = None
         if ref is not None:
-            with torch.no_grad():
+            with torch.no_grad(), fake_quant_once(ref):
                 ref_lp, _ = token_logprobs(ref, mb)
         out = rl_loss(logprobs, prox, mb, rl, info, entropy=entropy, ref_logprobs=ref_lp)
         opt.zero_grad(set_to_none=True)
@@ -136,15 +141,26 @@ def train(job: TrainJob, report: Callable[[int, dict], None] = lambda step, m: N
     return save(model, job, episodes, history, time.perf_counter() - t_start, world, divergence)
 
 
-def minibatch_plan(n: int, rl: RLConfig, world: int) -> list[tuple[int, torch.Tensor]]:
-    """(epoch, global rows) per optimizer step: a seeded shuffle per epoch, cut into minibatches
-    (a last one smaller than `world` rows is dropped), at most `max_steps` of them."""
+def minibatch_plan(group_ids: list[str], rl: RLConfig, world: int) -> list[tuple[int, torch.Tensor]]:
+    """(epoch, global rows) per optimizer step: a seeded shuffle of the groups per epoch, cut into
+    minibatches of whole groups of at least `minibatch_episodes` rows (as verl's minibatches hold
+    whole prompts; a group's rows sit together, so its prompt is computed once: `share_prefix`);
+    a last one smaller than `world` rows is dropped; at most `max_steps` of them."""
+    groups: dict[str, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        groups.setdefault(g, []).append(i)
+    members = list(groups.values())
     gen = torch.Generator().manual_seed(rl.seed)
     plan = []
     for epoch in range(rl.epochs):
-        order = torch.randperm(n, generator=gen)
-        plan += [(epoch, order[s:s + rl.minibatch_episodes]) for s in range(0, n, rl.minibatch_episodes)
-                 if len(order[s:s + rl.minibatch_episodes]) >= world]
+        rows: list[int] = []
+        for k in torch.randperm(len(members), generator=gen).tolist():
+            rows += members[k]
+            if len(rows) >= rl.minibatch_episodes:
+                plan.append((epoch, torch.tensor(rows)))
+                rows = []
+        if len(rows) >= world:
+            plan.append((epoch, torch.tensor(rows)))
     return plan[:rl.max_steps]
 
 
