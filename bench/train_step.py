@@ -2,7 +2,7 @@
 
 1. RL step vs a plain torch step (forward, token-mean cross-entropy on the same sampled tokens,
    backward, clip, AdamW) of the same QAT-prepared model on the same minibatches: target >= 0.85x;
-2. sharing each group's prompt in the forward (`share_prefix`) vs a padded forward of every row;
+2. computing the prompt of each piece of a group once (`prefix_rows`) vs a padded forward of every row;
 3. the cost of QAT: the RL step on the prepared model vs on the plain one;
 4. Ray's overhead: the same job under Ray Train's TorchTrainer with 1 and 2 workers vs in this
    process: start-up seconds (wall time beyond the job's own) and the per-step time ratio.
@@ -103,7 +103,7 @@ def main() -> None:
     out["plain_step_s"] = plain_qat
     out["rl_step_s"] = rl_qat["step_s"]
     out["rl_vs_plain_tokens_per_s"] = plain_qat / rl_qat["step_s"]
-    out["rl_step_s_no_share"] = rl_run("rl_no_share", share_prefix=False)["step_s"]
+    out["rl_step_s_no_share"] = rl_run("rl_no_share", prefix_rows=1)["step_s"]
     out["share_prefix_speedup"] = out["rl_step_s_no_share"] / rl_qat["step_s"]
     if spec is not None:
         plain_model = prepare_policy(a.model, dataclasses.replace(rl, qat=False), None)
@@ -121,7 +121,7 @@ def main() -> None:
     print(json.dumps(out, indent=2))
     print(f"RL step vs plain forward+backward on the same tokens ({out['sampled_tokens_per_step']:.0f} sampled "
           f"tokens/step, {fmt} QAT): {out['rl_vs_plain_tokens_per_s']:.2f}x (target >= 0.85)")
-    print(f"Each group's prompt computed once (share_prefix): RL step {out['share_prefix_speedup']:.2f}x faster "
+    print(f"Each group's prompt computed once (prefix_rows {rl.prefix_rows}): RL step {out['share_prefix_speedup']:.2f}x faster "
           f"than with every row's prompt computed")
     if "qat_cost_rl_step" in out:
         print(f"QAT cost: RL step {out['qat_cost_rl_step']:.2f}x the plain model's "

@@ -1,5 +1,5 @@
 """A GRPO group's prompt computed once per step: the same log-probs and gradients as one padded
-forward of every row, on a QAT-prepared tiny Qwen2; minibatches hold whole groups; a prepared
+forward of every row, on a QAT-prepared tiny Qwen2; minibatches hold pieces of groups; a prepared
 layer fake-quantizes its weight once per step inside `fake_quant_once`."""
 
 from __future__ import annotations
@@ -97,17 +97,21 @@ def test_fake_quant_once_quantizes_each_weight_once_per_step(monkeypatch):
     assert lp.requires_grad  # a weight held without grad is not reused where grad is on
 
 
-@pytest.mark.parametrize("minibatch", [8, 10, 64])
-def test_minibatches_hold_whole_groups(minibatch):
+@pytest.mark.parametrize("minibatch,piece", [(8, 4), (10, 3), (64, 2), (8, 1)])
+def test_minibatches_hold_pieces_of_groups(minibatch, piece):
     group_ids = [f"g{i // 4}" for i in range(40)] + ["h0"] * 2  # ten groups of 4 and one of 2
-    plan = minibatch_plan(group_ids, RLConfig(epochs=3, minibatch_episodes=minibatch), world=1)
+    plan = minibatch_plan(group_ids, RLConfig(epochs=3, minibatch_episodes=minibatch, prefix_rows=piece), world=1)
     for epoch in range(3):
         steps = [rows.tolist() for e, rows in plan if e == epoch]
         assert sorted(r for rows in steps for r in rows) == list(range(42))  # every row once per epoch
+        stretches = 0  # runs of one group's rows inside a minibatch
         for rows in steps:
             assert len(rows) >= minibatch or rows is steps[-1]
+            assert len(rows) < minibatch + piece
             groups = [group_ids[r] for r in rows]
-            assert all(groups.count(g) == group_ids.count(g) for g in set(groups))  # whole groups
-            assert groups == sorted(groups, key=groups.index)  # each group's rows together
+            stretches += sum(j == 0 or groups[j - 1] != g for j, g in enumerate(groups))
+            if piece >= 4:  # pieces hold whole groups: each group once, its rows together
+                assert sum(j == 0 or groups[j - 1] != g for j, g in enumerate(groups)) == len(set(groups))
+        assert stretches <= 10 * -(-4 // piece) + -(-2 // piece)  # at most one per piece
     orders = [[r for e, rows in plan if e == epoch for r in rows.tolist()] for epoch in range(3)]
     assert orders[0] != orders[1] != orders[2]  # a shuffle per epoch

@@ -28,7 +28,9 @@ class RLConfig:
     minibatch_episodes: int = 64  # episodes per optimizer step, across all workers
     max_steps: int | None = None  # stop early after this many optimizer steps
     dtype: Literal["float32", "bfloat16"] = "float32"  # the trained (latent) weights and the forward
-    share_prefix: bool = True  # a group's prompt, common to its rows, is computed once per step
+    # rows of a group that travel together in a minibatch, their common prompt computed once
+    # (a KV cache the rows attend to); 1: episodes shuffled one by one, every prompt computed
+    prefix_rows: int = 4
     seed: int = 0  # model-independent: shuffling and anything random in the step
     # algorithm: verl's core_algos, by name
     adv_estimator: str = "grpo"
@@ -62,7 +64,7 @@ class RLConfig:
             raise ValueError(f"lr must be in (0, 1), got {self.lr!r}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
-        for name in ("epochs", "minibatch_episodes", "min_group_size"):
+        for name in ("epochs", "minibatch_episodes", "min_group_size", "prefix_rows"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")

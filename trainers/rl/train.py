@@ -104,7 +104,8 @@ def train(job: TrainJob, report: Callable[[int, dict], None] = lambda step, m: N
         t0 = time.perf_counter()
         mine = rows.tensor_split(world)[rank]
         width = max(int(episodes.input_ids[i].numel()) for i in rows)  # the global minibatch's
-        mb = episodes.minibatch(mine, pad_id, width=width, share_prefix=SHARE_MIN if rl.share_prefix else None)
+        share = SHARE_MIN if rl.prefix_rows > 1 else None
+        mb = episodes.minibatch(mine, pad_id, width=width, share_prefix=share)
         mb = mb.to(device)
         global_tokens = int(sum(episodes.loss_mask[i].sum() for i in rows))
         info = global_batch_info(rl, global_tokens, len(rows), world)
@@ -142,20 +143,24 @@ def train(job: TrainJob, report: Callable[[int, dict], None] = lambda step, m: N
 
 
 def minibatch_plan(group_ids: list[str], rl: RLConfig, world: int) -> list[tuple[int, torch.Tensor]]:
-    """(epoch, global rows) per optimizer step: a seeded shuffle of the groups per epoch, cut into
-    minibatches of whole groups of at least `minibatch_episodes` rows (as verl's minibatches hold
-    whole prompts; a group's rows sit together, so its prompt is computed once: `share_prefix`);
-    a last one smaller than `world` rows is dropped; at most `max_steps` of them."""
+    """(epoch, global rows) per optimizer step. Each epoch, with a seeded shuffle, every group is
+    cut into pieces of `rl.prefix_rows` rows, the pieces are shuffled and cut into minibatches of
+    at least `minibatch_episodes` rows (a piece's rows sit together: its prompt is computed once);
+    a last one smaller than `world` rows is dropped; at most `max_steps` of them. Pieces of one
+    row: the usual shuffle of episodes."""
     groups: dict[str, list[int]] = {}
     for i, g in enumerate(group_ids):
         groups.setdefault(g, []).append(i)
-    members = list(groups.values())
     gen = torch.Generator().manual_seed(rl.seed)
     plan = []
     for epoch in range(rl.epochs):
+        pieces = []
+        for members in groups.values():
+            mixed = [members[k] for k in torch.randperm(len(members), generator=gen).tolist()]
+            pieces += [mixed[s:s + rl.prefix_rows] for s in range(0, len(mixed), rl.prefix_rows)]
         rows: list[int] = []
-        for k in torch.randperm(len(members), generator=gen).tolist():
-            rows += members[k]
+        for k in torch.randperm(len(pieces), generator=gen).tolist():
+            rows += pieces[k]
             if len(rows) >= rl.minibatch_episodes:
                 plan.append((epoch, torch.tensor(rows)))
                 rows = []
