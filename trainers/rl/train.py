@@ -105,8 +105,7 @@ def train(job: TrainJob, report: Callable[[int, dict], None] = lambda step, m: N
         mine = rows.tensor_split(world)[rank]
         width = max(int(episodes.input_ids[i].numel()) for i in rows)  # the global minibatch's
         share = SHARE_MIN if rl.prefix_rows > 1 else None
-        mb = episodes.minibatch(mine, pad_id, width=width, share_prefix=share)
-        mb = mb.to(device)
+        mb = episodes.minibatch(mine, pad_id, width=width, share_prefix=share).to(device)
         global_tokens = int(sum(episodes.loss_mask[i].sum() for i in rows))
         info = global_batch_info(rl, global_tokens, len(rows), world)
         with fake_quant_once(model):
