@@ -121,7 +121,7 @@ def main() -> None:
     print(json.dumps(out, indent=2))
     print(f"RL step vs plain forward+backward on the same tokens ({out['sampled_tokens_per_step']:.0f} sampled "
           f"tokens/step, {fmt} QAT): {out['rl_vs_plain_tokens_per_s']:.2f}x (target >= 0.85)")
-    print(f"Each group's prompt computed once (prefix_rows {rl.prefix_rows}): RL step {out['share_prefix_speedup']:.2f}x faster "
+    print(f"Each piece's prompt computed once (prefix_rows {rl.prefix_rows}): RL step {out['share_prefix_speedup']:.2f}x faster "
           f"than with every row's prompt computed")
     if "qat_cost_rl_step" in out:
         print(f"QAT cost: RL step {out['qat_cost_rl_step']:.2f}x the plain model's "

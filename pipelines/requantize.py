@@ -41,8 +41,8 @@ class RequantizeConfig:
     max_evals: int = 200  # plans scored by the joint search at most (one forward each)
     # The plan the server runs now is kept when its KL is within this factor of the searched best:
     # the swap then reloads weights in place instead of warming a second engine (~25 s on these
-    # CPUs, bench/gate_path.py). Measured in the default loop: the serving plan's KL was 1.5-2.3x
-    # the best's, at most 1.6e-3 nats per token, 12x under the gate's max_quant_kl_mean.
+    # CPUs, bench/gate_path.py). Measured in the default loop: the serving plan's KL was 1.5-2.7x
+    # the best's, at most 2.5e-3 nats per token, 8x under the gate's max_quant_kl_mean.
     # None: always the searched plan.
     keep_serving_plan_within: float | None = 3.0
 

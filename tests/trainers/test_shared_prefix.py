@@ -29,7 +29,7 @@ def _model():
 
 def _episodes() -> Episodes:
     """Group a: four rows after a 20-token prompt, of different lengths; group b: two identical
-    rows; group c: one row. Sampled tokens start inside the prompt for a's first row."""
+    rows; group c: one row. Sampled tokens start at position 15, inside a's prompt."""
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, VOCAB, (20,), generator=g)
     a = [torch.cat([prompt, torch.randint(3, VOCAB, (n,), generator=g)]) for n in (5, 17, 1, 30)]
