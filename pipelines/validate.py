@@ -194,7 +194,8 @@ class KLGate:
         r.eval = {"candidate_success": engine.success, "serving_success": engine.serving_success,
                   "temperature": engine.temperature, "num_problems": engine.num_problems}
         if engine.serving_success is not None:
-            d = engine.success - engine.serving_success
+            # success rates are k / num_problems: rounded, a delta of exactly the limit (0.59 - 0.64) is not below it
+            d = round(engine.success - engine.serving_success, 9)
             r.eval["success_delta"] = d
             if not d >= self.cfg.min_success_delta:
                 r.reasons.append(f"success delta {d:+.3f} < validate.min_success_delta {self.cfg.min_success_delta:+g}")

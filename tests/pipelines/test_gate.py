@@ -11,7 +11,7 @@ import json
 import pytest
 
 from pipelines.logits import dataset_sequences
-from pipelines.validate import GateConfig, KLGate, write_report
+from pipelines.validate import EngineSide, GateConfig, KLGate, write_report
 
 
 def _spec():
@@ -79,3 +79,16 @@ def test_good_candidate_passes_with_its_distributions(gate_setup, tmp_path):
     strict = KLGate(s["good"], s["trained"], s["serving"], s["seqs"], GateConfig(max_quant_kl_p99=1e-9)).measure()
     assert not strict.passed and strict.reasons == [
         f"quant kl_p99 {report.quant['kl']['p99']:.4g} > validate.max_quant_kl_p99 1e-09"]
+
+
+@pytest.mark.parametrize("success, passed", [(0.59, True), (0.585, False)])
+def test_the_success_limit_is_inclusive(gate_setup, success, passed):
+    """0.59 - 0.64 is -0.05000000000000004 in floats: a candidate exactly 5 points below serving
+    passes the default validate.min_success_delta -0.05 (one half point more does not)."""
+    s = gate_setup
+    gate = KLGate(s["good"], s["trained"], s["serving"], s["seqs"], GateConfig())
+    gate.measure()
+    engine = EngineSide(gate.lp["candidate"], success, 0.64, 1.0, 200, "the twin's own log-probs", 0.0)
+    report = gate.with_engine(engine, tolerance=1e-6)
+    assert report.engine_check["ok"] and report.passed is passed, report.reasons
+    assert report.reasons == ([] if passed else ["success delta -0.055 < validate.min_success_delta -0.05"])
