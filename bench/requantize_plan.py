@@ -8,7 +8,8 @@
    dataset, config and seed) with and without QAT (the issue's target: QAT <= 0.5x PTQ).
 
     python bench/requantize_plan.py [--checkpoint DIR] [--dataset DIR] [--qat DIR --no-qat DIR]
-                                    [--budgets 2 4 8] [key=value ...]
+                                    [--budgets 2 4 8] [--sequences N]
+                                    [--calibration N] [--skip-qat] [key=value ...]
 
 Defaults: the newest checkpoint and dataset under the config's run_dir (`loop run` makes them);
 without --qat/--no-qat the two checkpoints are trained here (in-process, the config's trainer).
@@ -83,7 +84,9 @@ def main() -> None:
     ap.add_argument("--qat")
     ap.add_argument("--no-qat")
     ap.add_argument("--budgets", type=int, nargs="*", default=[2, 4, 8], help="none: skip the plan search")
-    ap.add_argument("--sequences", type=int, default=32)
+    ap.add_argument("--sequences", type=int, default=32, help="held-out episodes the plans are measured on")
+    ap.add_argument("--calibration", type=int, help="train episodes the plans are searched on (default: --sequences)")
+    ap.add_argument("--skip-qat", action="store_true", help="only the plan search")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_intermixed_args()
     from kernels import QuantSpec
@@ -102,11 +105,13 @@ def main() -> None:
     if spec_d is None:
         sys.exit(f"serve.quant resolves to {fmt} here: nothing to requantize")
     spec = QuantSpec.from_dict(spec_d)
-    calib = dataset_sequences(dataset, "train", a.sequences)
+    calib = dataset_sequences(dataset, "train", a.calibration or a.sequences)
     heldout = dataset_sequences(dataset, "heldout", a.sequences)
     print(f"{detect().describe()}; {fmt}; checkpoint {ckpt}; calibration {calib.num_scored} and held-out "
           f"{heldout.num_scored} scored tokens", flush=True)
     rows = plans(ckpt, spec, calib, heldout, a.budgets)
+    if a.skip_qat:
+        return
 
     models = {"qat": a.qat, "no_qat": a.no_qat}
     tmp = Path(tempfile.mkdtemp(prefix="fw-qat-ptq-"))
