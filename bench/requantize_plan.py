@@ -36,8 +36,9 @@ def newest(run_dir: str, kind: str) -> str:
     return str(found[-1].parent)
 
 
-def heldout_kl(folder_fp: str, full_precision: list[str], spec, seqs) -> float:
-    """KL(fp || folder quantized with `full_precision` kept) on `seqs`, via the plan scorer's model."""
+def heldout_kl(folder_fp: str, full_precision: list[str], spec, seqs, per_token: bool = False):
+    """KL(fp || folder quantized with `full_precision` kept) on `seqs`, via the plan scorer's model:
+    the mean, or (per_token) each scored position's."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -46,7 +47,22 @@ def heldout_kl(folder_fp: str, full_precision: list[str], spec, seqs) -> float:
     model = AutoModelForCausalLM.from_pretrained(folder_fp, dtype=torch.float32)
     scorer = PlanScorer(model, spec, seqs)
     plan = frozenset(i for i, u in enumerate(scorer.units) if set(u.layers) <= set(full_precision))
-    return scorer(plan)
+    return scorer.per_token(plan) if per_token else scorer(plan)
+
+
+def ratio_interval(a, b, seqs, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """90% interval of mean(a) / mean(b), per-token KLs of two plans on the same positions,
+    resampling whole sequences (a sequence's positions are not independent draws)."""
+    import torch
+
+    counts = torch.tensor([sum(m[1:]) for m in seqs.sampled])
+    seq = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    sa = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, seq, a.double())
+    sb = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, seq, b.double())
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randint(len(counts), (draws, len(counts)), generator=g)
+    r = sa[pick].sum(1) / sb[pick].sum(1)
+    return r.quantile(0.05).item(), r.quantile(0.95).item()
 
 
 def plans(ckpt: str, spec, calib, heldout, budgets: list[int]) -> list[dict]:
@@ -60,10 +76,12 @@ def plans(ckpt: str, spec, calib, heldout, budgets: list[int]) -> list[dict]:
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
         t0 = time.perf_counter()
         plan = search_plan(model, spec, calib, RequantizeConfig(max_full_precision_layers=k, max_evals=400))
+        joint_t = heldout_kl(ckpt, plan.joint["plan"], spec, heldout, per_token=True)
+        base_t = heldout_kl(ckpt, plan.one_at_a_time["plan"], spec, heldout, per_token=True)
         row = {"budget_layers": k, "search_s": round(time.perf_counter() - t0, 1), "plans_scored": len(plan.evaluated),
                "calib_joint": plan.joint["kl"], "calib_baseline": plan.one_at_a_time["kl"],
-               "heldout_joint": heldout_kl(ckpt, plan.joint["plan"], spec, heldout),
-               "heldout_baseline": heldout_kl(ckpt, plan.one_at_a_time["plan"], spec, heldout),
+               "heldout_joint": joint_t.mean().item(), "heldout_baseline": base_t.mean().item(),
+               "heldout_ratio_90": ratio_interval(joint_t, base_t, heldout),
                "heldout_all_quantized": heldout_kl(ckpt, [], spec, heldout),
                "joint_plan": plan.joint["plan"], "baseline_plan": plan.one_at_a_time["plan"],
                "more_quantized_lower_kl": len(plan.more_quantized_lower_kl),
@@ -71,7 +89,8 @@ def plans(ckpt: str, spec, calib, heldout, budgets: list[int]) -> list[dict]:
         rows.append(row)
         print(f"budget {k} layers: joint {row['calib_joint']:.3e} vs one-at-a-time {row['calib_baseline']:.3e} "
               f"(calibration, {row['calib_joint'] / row['calib_baseline']:.2f}x); held-out {row['heldout_joint']:.3e} vs "
-              f"{row['heldout_baseline']:.3e} ({row['heldout_joint'] / row['heldout_baseline']:.2f}x); "
+              f"{row['heldout_baseline']:.3e} ({row['heldout_joint'] / row['heldout_baseline']:.2f}x, 90% interval "
+              f"{row['heldout_ratio_90'][0]:.2f}-{row['heldout_ratio_90'][1]:.2f}x over sequences); "
               f"{row['more_quantized_lower_kl']} scored pairs where quantizing one more unit lowered KL", flush=True)
     return rows
 

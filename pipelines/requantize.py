@@ -159,15 +159,19 @@ class PlanScorer:
 
     def __call__(self, plan: frozenset[int]) -> float:
         if plan not in self.scores:
-            for i, unit in enumerate(self.units):
-                for name in unit.layers:
-                    self.model.get_submodule(name).quantized = i not in plan
-            self._plan, rows = plan, []
-            with torch.no_grad():
-                for self._batch, batch in enumerate(_one_batch_each(self.seqs, self.batch_size)):
-                    rows.append(model_logprobs(self.model, batch, self.batch_size))
-            self.scores[plan] = kl(self.reference, torch.cat(rows)).mean().item()
+            self.scores[plan] = self.per_token(plan).mean().item()
         return self.scores[plan]
+
+    def per_token(self, plan: frozenset[int]) -> torch.Tensor:
+        """[num_scored] KL(fp || plan) at each scored position (not memoized)."""
+        for i, unit in enumerate(self.units):
+            for name in unit.layers:
+                self.model.get_submodule(name).quantized = i not in plan
+        self._plan, rows = plan, []
+        with torch.no_grad():
+            for self._batch, batch in enumerate(_one_batch_each(self.seqs, self.batch_size)):
+                rows.append(model_logprobs(self.model, batch, self.batch_size))
+        return kl(self.reference, torch.cat(rows))
 
     def layers(self, plan) -> list[str]:
         return [n for i in sorted(plan) for n in self.units[i].layers]
