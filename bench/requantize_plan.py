@@ -76,9 +76,10 @@ def plans(ckpt: str, spec, calib, heldout, budgets: list[int]) -> list[dict]:
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
         t0 = time.perf_counter()
         plan = search_plan(model, spec, calib, RequantizeConfig(max_full_precision_layers=k, max_evals=400))
+        search_s = round(time.perf_counter() - t0, 1)
         joint_t = heldout_kl(ckpt, plan.joint["plan"], spec, heldout, per_token=True)
         base_t = heldout_kl(ckpt, plan.one_at_a_time["plan"], spec, heldout, per_token=True)
-        row = {"budget_layers": k, "search_s": round(time.perf_counter() - t0, 1), "plans_scored": len(plan.evaluated),
+        row = {"budget_layers": k, "search_s": search_s, "plans_scored": len(plan.evaluated),
                "calib_joint": plan.joint["kl"], "calib_baseline": plan.one_at_a_time["kl"],
                "heldout_joint": joint_t.mean().item(), "heldout_baseline": base_t.mean().item(),
                "heldout_ratio_90": ratio_interval(joint_t, base_t, heldout),
