@@ -56,6 +56,8 @@ class CollectConfig:
 class DatasetPhaseConfig:
     heldout_fraction: float = 0.1  # of groups, set aside for the KL gate
     heldout_unit: Literal["group", "episode"] = "group"
+    # the gate's held-out slice: at least 4 groups (the 10% hash alone drew 0-1 of 64 in ~1% of cycles)
+    min_heldout: int = 4
     seed: int = 0  # salts the held-out hash
     reward_fn: str = DEFAULT_REWARD_FN  # "module:function" of an EpisodeRecord
     feedback_mode: FeedbackMode = "override"  # how logged feedback combines with reward_fn
@@ -70,7 +72,7 @@ class DatasetPhaseConfig:
 
         return DatasetConfig(trace_root=trace_root, out_dir=out_dir, tokenizer=tokenizer, dates=dates,
                              weight_versions=weight_versions, since=since, heldout_fraction=self.heldout_fraction,
-                             heldout_unit=self.heldout_unit, seed=self.seed, reward_fn=self.reward_fn,
+                             heldout_unit=self.heldout_unit, min_heldout=self.min_heldout, seed=self.seed, reward_fn=self.reward_fn,
                              feedback_mode=self.feedback_mode, logprobs_mode=logprobs_mode)
 
 

@@ -70,6 +70,7 @@ def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
     writers = {s: _Writer(tmp / s / "part-00000.parquet") for s in SPLITS}
     dropped_episodes = Counter()
     groups: set[str] = set()
+    units: dict[str, bool] = {}  # held-out unit (group or episode id) -> whether the hash held it out
     kept_versions: set[int] = set()
     cols = TokenColumns.of(table)
     trace_ids, created_at = table["trace_id"], table["created_at"]
@@ -104,11 +105,15 @@ def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
         rewarded = starts[eps[~np.isnan(rewards)]]
         kept_versions.update(np.unique(cols.weight_version[rows[_ranges(rewarded, np.diff(starts)[eps[~np.isnan(rewards)]])]]).tolist())
         unit = out["group_id"] if cfg.heldout_unit == "group" else out["episode_id"]
-        held = pa.array(heldout_mask(unit.to_pylist(), cfg.heldout_fraction, cfg.seed))
+        mask = heldout_mask(unit.to_pylist(), cfg.heldout_fraction, cfg.seed)
+        units.update(zip(unit.to_pylist(), mask))
+        held = pa.array(mask)
         writers["train"].write(out.filter(pc.invert(held)))
         writers["heldout"].write(out.filter(held))
 
     counts = {s: w.close() for s, w in writers.items()}
+    if more := topup_heldout(units, cfg):
+        counts = _move_to_heldout(tmp, "group_id" if cfg.heldout_unit == "group" else "episode_id", more)
     files = {str(p.relative_to(tmp)): file_sha256(p) for p in sorted(tmp.rglob("*.parquet"))}
     manifest = RLDatasetManifest(
         path=str(cfg.out_dir), parent=TraceWindow(str(cfg.trace_root), cfg.dates, cfg.weight_versions, cfg.since),
@@ -117,7 +122,8 @@ def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
         dropped_episodes=dict(sorted(dropped_episodes.items())),
         weight_versions=tuple(sorted(v for v in kept_versions if v >= 0)), trainer_base_version=base,
         reward_fn=cfg.reward_fn, feedback_mode=cfg.feedback_mode, logprobs_mode=cfg.logprobs_mode,
-        heldout_fraction=float(cfg.heldout_fraction), heldout_unit=cfg.heldout_unit, seed=cfg.seed, files=files,
+        heldout_fraction=float(cfg.heldout_fraction), heldout_unit=cfg.heldout_unit, min_heldout=cfg.min_heldout,
+        seed=cfg.seed, files=files,
         created_at=datetime.now(timezone.utc).isoformat(), build_seconds=round(time.perf_counter() - t0, 3),
     )
     save_manifest(manifest, tmp)
@@ -129,9 +135,40 @@ def heldout_mask(keys: list[str], fraction: float, seed: int) -> list[bool]:
     """Whether each key is held out: a salted 64-bit hash below `fraction` of its range.
     Depends on (seed, key) only, so a key never changes side between rebuilds."""
     cut = int(fraction * 2**64)
-    salt = str(seed).encode()
-    return [int.from_bytes(hashlib.blake2b(k.encode(), digest_size=8, key=salt).digest(), "little") < cut
-            for k in keys]
+    return [_unit_hash(k, seed) < cut for k in keys]
+
+
+def _unit_hash(key: str, seed: int) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8, key=str(seed).encode()).digest(), "little")
+
+
+def topup_heldout(units: dict[str, bool], cfg: DatasetConfig) -> set[str]:
+    """The train units to hold out as well when the hash drew fewer than `cfg.min_heldout` (at most
+    half the units): those whose hash lies nearest above the cut, the ones a larger fraction would
+    take next. Empty when the draw is enough or heldout_fraction is 0."""
+    want = min(cfg.min_heldout, len(units) // 2) if cfg.heldout_fraction > 0 else 0
+    held = sum(units.values())
+    if held >= want:
+        return set()
+    train = sorted((k for k, h in units.items() if not h), key=lambda k: _unit_hash(k, cfg.seed))
+    return set(train[:want - held])
+
+
+def _move_to_heldout(tmp: Path, column: str, moved: set[str]) -> dict[str, int]:
+    """Rewrite the two split files with the rows of `moved` units in heldout (small datasets only:
+    a hash draw of 10% falls short of a few units only when there are few)."""
+    paths = {s: tmp / s / "part-00000.parquet" for s in SPLITS}
+    tables = {s: pq.read_table(p) for s, p in paths.items()}
+    move = pc.is_in(tables["train"][column], value_set=pa.array(sorted(moved), pa.string()))
+    out = {"train": tables["train"].filter(pc.invert(move)),
+           "heldout": pa.concat_tables([tables["heldout"], tables["train"].filter(move)])}
+    counts = {}
+    for s, table in out.items():
+        paths[s].unlink()
+        w = _Writer(paths[s])
+        w.write(table)
+        counts[s] = w.close()
+    return counts
 
 
 _ROUND = re.compile(r"(.+)-\d+")  # `<round>-<sample>`, whole id

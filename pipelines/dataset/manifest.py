@@ -50,6 +50,9 @@ class DatasetConfig:
     since: str | None = None  # ISO-8601 UTC time: only traces created then or later; None: all
     heldout_fraction: float = 0.1
     heldout_unit: Literal["group", "episode"] = "group"  # what the held-out hash draws
+    # at least this many held-out units (at most half of them): when the hash draws fewer, the
+    # units it would take next are added (64 groups at 0.1 draw none 0.1% of the time, one 0.8%)
+    min_heldout: int = 0
     seed: int = 0  # salts the held-out hash; same seed, same split on every rebuild
     reward_fn: str = DEFAULT_REWARD_FN  # "module:function", (EpisodeRecord) -> float | None
     feedback_mode: FeedbackMode = "override"
@@ -80,6 +83,8 @@ class DatasetConfig:
                 raise ValueError(f"weight_versions must be ints >= 0, got {self.weight_versions}")
         if not (isinstance(self.heldout_fraction, (int, float)) and 0 <= self.heldout_fraction < 1):
             raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction!r}")
+        if isinstance(self.min_heldout, bool) or not isinstance(self.min_heldout, int) or self.min_heldout < 0:
+            raise ValueError(f"min_heldout must be an int >= 0, got {self.min_heldout!r}")
         if self.heldout_unit not in ("group", "episode"):
             raise ValueError(f"heldout_unit must be 'group' or 'episode', got {self.heldout_unit!r}")
         if self.feedback_mode not in FEEDBACK_MODES:
@@ -131,6 +136,7 @@ class RLDatasetManifest:
     build_seconds: float
     schema_version: int = DATASET_SCHEMA_VERSION
     created_by: str = field(default="pipelines.traces_to_dataset")
+    min_heldout: int = 0  # DatasetConfig.min_heldout (0 in manifests written before it)
 
     @property
     def kept_episodes(self) -> int:

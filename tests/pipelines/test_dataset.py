@@ -210,7 +210,7 @@ def test_only_the_windows_feedback_is_read(ds_episodes, ds_traces, ds_write, ds_
     assert [t.num_rows for t in read] == [1] and _rows(m)["w"]["reward"] == 0.5
 
 
-def test_heldout_is_by_group_and_stable_across_rebuilds(ds_episodes, ds_traces, ds_write, ds_tokenizer_path, tmp_path):
+def _twenty_groups(ds_episodes, ds_traces, ds_write, root):
     traces = []
     for i in range(10):  # 10 copies of the batch, each a fresh round of episode ids: 20 groups of 4
         traces += [t for eid, ep in ds_episodes for t in ds_traces(ep, f"{i}-{eid}")]
@@ -218,7 +218,11 @@ def test_heldout_is_by_group_and_stable_across_rebuilds(ds_episodes, ds_traces, 
     for t in traces:
         i = int(t.episode_id.split("-")[0])
         t.prompt_token_ids = [i + 10] + t.prompt_token_ids
-    ds_write(tmp_path / "data", traces)
+    ds_write(root, traces)
+
+
+def test_heldout_is_by_group_and_stable_across_rebuilds(ds_episodes, ds_traces, ds_write, ds_tokenizer_path, tmp_path):
+    _twenty_groups(ds_episodes, ds_traces, ds_write, tmp_path / "data")
     splits = []
     for k in range(2):
         m = build_dataset(DatasetConfig(trace_root=tmp_path / "data", out_dir=tmp_path / f"ds{k}", seed=3,
@@ -229,6 +233,35 @@ def test_heldout_is_by_group_and_stable_across_rebuilds(ds_episodes, ds_traces, 
         assert not {r["group_id"] for r in train.values()} & {r["group_id"] for r in held.values()}
         splits.append((set(train), set(held)))
     assert splits[0] == splits[1]
+
+
+def test_min_heldout_tops_up_a_short_draw_with_the_next_groups(ds_episodes, ds_traces, ds_write, ds_tokenizer_path,
+                                                                tmp_path):
+    """A hash draw below `min_heldout` groups is topped up with the groups the hash would take next
+    (the smallest hashes above the cut); the files stay what the manifest says."""
+    from pipelines.logits import dataset_sequences
+    from pipelines.traces_to_dataset import _unit_hash
+
+    _twenty_groups(ds_episodes, ds_traces, ds_write, tmp_path / "data")
+
+    def build(name, **kw):
+        m = build_dataset(DatasetConfig(trace_root=tmp_path / "data", out_dir=tmp_path / name, seed=3,
+                                        tokenizer=ds_tokenizer_path, reward_fn="pipelines.rewards:task_reward",
+                                        feedback_mode="ignore", **kw))
+        return m, _rows(m, "train"), _rows(m, "heldout")
+
+    m, train, held = build("plain", heldout_fraction=0.02)
+    groups = {r["group_id"] for r in [*train.values(), *held.values()]}
+    assert len(groups) == 20 and len({r["group_id"] for r in held.values()}) < 3
+    m3, train3, held3 = build("min3", heldout_fraction=0.02, min_heldout=3)
+    held_groups = {r["group_id"] for r in held3.values()}
+    assert held_groups == set(sorted(groups, key=lambda g: _unit_hash(g, 3))[:3])
+    assert not held_groups & {r["group_id"] for r in train3.values()}
+    assert set(held) <= set(held3) and set(train3) | set(held3) == set(train) | set(held)
+    assert (m3.train_episodes, m3.heldout_episodes, m3.min_heldout) == (len(train3), len(held3), 3)
+    assert len(dataset_sequences(m3.path, "heldout", 100).ids) == len(held3)  # file hashes match the manifest
+    _, _, none = build("none", heldout_fraction=0.0, min_heldout=3)
+    assert not none
 
 
 def test_reward_fn_and_feedback_mode_come_from_the_config(ds_episodes, ds_traces, ds_write, ds_tokenizer_path, tmp_path):
@@ -253,7 +286,7 @@ def test_reward_fn_and_feedback_mode_come_from_the_config(ds_episodes, ds_traces
     (dict(logprobs_mode="logits"), "logprobs_mode"), (dict(reward_fn="pipelines.rewards"), "reward_fn"),
     (dict(reward_fn="pipelines.rewards:nope"), "reward_fn"), (dict(dates=("2026-13-01",)), "dates"),
     (dict(weight_versions=(-1,)), "weight_versions"), (dict(trainer_base_version=-2), "trainer_base_version"),
-    (dict(heldout_unit="row"), "heldout_unit"), (dict(chunk_rows=0), "chunk_rows"),
+    (dict(heldout_unit="row"), "heldout_unit"), (dict(chunk_rows=0), "chunk_rows"), (dict(min_heldout=-1), "min_heldout"),
 ])
 def test_config_names_the_bad_field(change, field, tmp_path):
     with pytest.raises(ValueError, match=field):
