@@ -8,8 +8,8 @@
    dataset, config and seed) with and without QAT (the issue's target: QAT <= 0.5x PTQ).
 
     python bench/requantize_plan.py [--checkpoint DIR] [--dataset DIR] [--qat DIR --no-qat DIR]
-                                    [--budgets 2 4 8] [--sequences N]
-                                    [--calibration N] [--skip-qat] [key=value ...]
+                                    [--budgets 2 4 8] [--kib-budgets 256 512] [--sequences N]
+                                    [--calibration N] [--measure-on DATASET] [--skip-qat] [key=value ...]
 
 Defaults: the newest checkpoint and dataset under the config's run_dir (`loop run` makes them);
 without --qat/--no-qat the two checkpoints are trained here (in-process, the config's trainer).
@@ -50,6 +50,23 @@ def heldout_kl(folder_fp: str, full_precision: list[str], spec, seqs, per_token:
     return scorer.per_token(plan) if per_token else scorer(plan)
 
 
+def served_changed(parent: str, child: str, spec) -> float:
+    """Fraction of the quantized weights whose served (grid) value differs between two checkpoints:
+    how far training moved the served model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kernels import fake_quant, quant_targets, weight_qparams
+
+    a, b = (AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32) for p in (parent, child))
+    changed = total = 0
+    for name in quant_targets(a):
+        wa, wb = a.get_submodule(name).weight.detach(), b.get_submodule(name).weight.detach()
+        qa, qb = (fake_quant(w, *weight_qparams(w, spec), spec) for w in (wa, wb))
+        changed, total = changed + int((qa != qb).sum()), total + qa.numel()
+    return changed / total
+
+
 def ratio_interval(a, b, seqs, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
     """90% interval of mean(a) / mean(b), per-token KLs of two plans on the same positions,
     resampling whole sequences (a sequence's positions are not independent draws)."""
@@ -65,33 +82,48 @@ def ratio_interval(a, b, seqs, draws: int = 2000, seed: int = 0) -> tuple[float,
     return r.quantile(0.05).item(), r.quantile(0.95).item()
 
 
-def plans(ckpt: str, spec, calib, heldout, budgets: list[int]) -> list[dict]:
+def plans(ckpt: str, spec, calib, heldout, budgets: list[int], kib_budgets: list[int] = ()) -> list[dict]:
+    """Per budget: both searches on calibration, measured on held-out; and the oracle, the joint
+    search run on held-out itself: what a search could at best find there (biased low: it also fits
+    that slice's noise)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipelines.requantize import RequantizeConfig, search_plan
+    from pipelines.requantize import PlanScorer, RequantizeConfig, joint, search_plan
 
     rows = []
-    for k in budgets:
+    configs = [(f"{k} layers", RequantizeConfig(max_full_precision_layers=k, max_evals=400)) for k in budgets]
+    configs += [(f"{k} KiB", RequantizeConfig(max_full_precision_layers=1 << 20, max_extra_bytes=k * 1024,
+                                              max_evals=400)) for k in kib_budgets]
+    held = PlanScorer(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32), spec, heldout)
+
+    def units(layers):
+        return frozenset(i for i, u in enumerate(held.units) if set(u.layers) <= set(layers))
+
+    for k, rq in configs:
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
         t0 = time.perf_counter()
-        plan = search_plan(model, spec, calib, RequantizeConfig(max_full_precision_layers=k, max_evals=400))
+        plan = search_plan(model, spec, calib, rq)
         search_s = round(time.perf_counter() - t0, 1)
-        joint_t = heldout_kl(ckpt, plan.joint["plan"], spec, heldout, per_token=True)
-        base_t = heldout_kl(ckpt, plan.one_at_a_time["plan"], spec, heldout, per_token=True)
-        row = {"budget_layers": k, "search_s": search_s, "plans_scored": len(plan.evaluated),
+        joint_t, base_t = (held.per_token(units(p)) for p in (plan.joint["plan"], plan.one_at_a_time["plan"]))
+        held.scores.clear()  # max_evals counts the scorer's memo: each budget's oracle gets its own
+        oracle = joint(held, rq, start=units(plan.one_at_a_time["plan"]))
+        row = {"budget": k, "search_s": search_s, "plans_scored": len(plan.evaluated),
                "calib_joint": plan.joint["kl"], "calib_baseline": plan.one_at_a_time["kl"],
                "heldout_joint": joint_t.mean().item(), "heldout_baseline": base_t.mean().item(),
                "heldout_ratio_90": ratio_interval(joint_t, base_t, heldout),
-               "heldout_all_quantized": heldout_kl(ckpt, [], spec, heldout),
+               "heldout_oracle": oracle["kl"], "oracle_plan": oracle["plan"],
+               "heldout_all_quantized": held(frozenset()),
                "joint_plan": plan.joint["plan"], "baseline_plan": plan.one_at_a_time["plan"],
                "more_quantized_lower_kl": len(plan.more_quantized_lower_kl),
                "example": plan.more_quantized_lower_kl[:1]}
         rows.append(row)
-        print(f"budget {k} layers: joint {row['calib_joint']:.3e} vs one-at-a-time {row['calib_baseline']:.3e} "
-              f"(calibration, {row['calib_joint'] / row['calib_baseline']:.2f}x); held-out {row['heldout_joint']:.3e} vs "
-              f"{row['heldout_baseline']:.3e} ({row['heldout_joint'] / row['heldout_baseline']:.2f}x, 90% interval "
-              f"{row['heldout_ratio_90'][0]:.2f}-{row['heldout_ratio_90'][1]:.2f}x over sequences); "
+        b = row["heldout_baseline"]
+        print(f"budget {k}: joint {row['calib_joint']:.3e} vs one-at-a-time {row['calib_baseline']:.3e} "
+              f"(calibration, {row['calib_joint'] / row['calib_baseline']:.2f}x); held-out, baseline {b:.3e}: "
+              f"joint {row['heldout_joint'] / b:.2f}x (90% interval {row['heldout_ratio_90'][0]:.2f}-"
+              f"{row['heldout_ratio_90'][1]:.2f}x over sequences); the best plan searched on held-out itself "
+              f"{row['heldout_oracle'] / b:.2f}x; all quantized {row['heldout_all_quantized'] / b:.2f}x; "
               f"{row['more_quantized_lower_kl']} scored pairs where quantizing one more unit lowered KL", flush=True)
     return rows
 
@@ -104,8 +136,12 @@ def main() -> None:
     ap.add_argument("--qat")
     ap.add_argument("--no-qat")
     ap.add_argument("--budgets", type=int, nargs="*", default=[2, 4, 8], help="none: skip the plan search")
+    ap.add_argument("--kib-budgets", type=int, nargs="*", default=[],
+                    help="byte budgets (KiB the full-precision layers may add), searched after --budgets")
     ap.add_argument("--sequences", type=int, default=32, help="held-out episodes the plans are measured on")
     ap.add_argument("--calibration", type=int, help="train episodes the plans are searched on (default: --sequences)")
+    ap.add_argument("--measure-on", help="a dataset (not --dataset) whose train episodes the plans are measured on "
+                    "instead of --dataset's held-out split: e.g. the next cycle's")
     ap.add_argument("--skip-qat", action="store_true", help="only the plan search")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_intermixed_args()
@@ -126,10 +162,14 @@ def main() -> None:
         sys.exit(f"serve.quant resolves to {fmt} here: nothing to requantize")
     spec = QuantSpec.from_dict(spec_d)
     calib = dataset_sequences(dataset, "train", a.calibration or a.sequences)
-    heldout = dataset_sequences(dataset, "heldout", a.sequences)
-    print(f"{detect().describe()}; {fmt}; checkpoint {ckpt}; calibration {calib.num_scored} and held-out "
-          f"{heldout.num_scored} scored tokens", flush=True)
-    rows = plans(ckpt, spec, calib, heldout, a.budgets)
+    # the held-out split is ~10% of a dataset's groups (one problem in some cycles): --measure-on
+    # takes episodes of another dataset instead, e.g. the next cycle's, traffic this checkpoint served
+    heldout = (dataset_sequences(a.measure_on, "train", a.sequences) if a.measure_on
+               else dataset_sequences(dataset, "heldout", a.sequences))
+    print(f"{detect().describe()}; {fmt}; checkpoint {ckpt}; calibration {calib.num_scored} scored tokens"
+          f"; measured on {heldout.source} ({len(heldout.ids)} episodes, "
+          f"{heldout.num_scored} scored tokens; 'held-out' below)", flush=True)
+    rows = plans(ckpt, spec, calib, heldout, a.budgets, a.kib_budgets)
     if a.skip_qat:
         return
 
@@ -142,11 +182,14 @@ def main() -> None:
             rl = dataclasses.replace(cfg.trainer, qat=qat, num_workers=0, progress=False)
             models[name] = run_training(TrainJob(base, dataset, str(tmp / name), rl, spec_d), ray).path
     qat_kl = {n: heldout_kl(p, [], spec, heldout) for n, p in models.items()}
+    moved = {n: served_changed(base, p, spec) for n, p in models.items()}
     ratio = qat_kl["qat"] / qat_kl["no_qat"]
     print(f"KL(fp || {fmt}) on held-out: QAT {qat_kl['qat']:.3e}, PTQ {qat_kl['no_qat']:.3e}: {ratio:.2f}x "
-          f"(target <= 0.5x)", flush=True)
+          f"(target <= 0.5x); served values changed from the base: QAT {moved['qat']:.3%}, PTQ "
+          f"{moved['no_qat']:.3%}", flush=True)
     print(json.dumps({"format": fmt, "checkpoint": ckpt, "dataset": dataset, "plans": rows,
-                      "qat_vs_ptq": {"kl": qat_kl, "ratio": ratio, "checkpoints": models}}, indent=1, default=str))
+                      "qat_vs_ptq": {"kl": qat_kl, "ratio": ratio, "served_changed": moved,
+                                                 "checkpoints": models}}, indent=1, default=str))
 
 
 if __name__ == "__main__":
