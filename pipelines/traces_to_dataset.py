@@ -70,6 +70,7 @@ def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
     writers = {s: _Writer(tmp / s / "part-00000.parquet") for s in SPLITS}
     dropped_episodes = Counter()
     groups: set[str] = set()
+    unit_col = "group_id" if cfg.heldout_unit == "group" else "episode_id"
     units: dict[str, bool] = {}  # held-out unit (group or episode id) -> whether the hash held it out
     kept_versions: set[int] = set()
     cols = TokenColumns.of(table)
@@ -104,16 +105,16 @@ def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
         groups.update(out["group_id"].to_pylist())
         rewarded = starts[eps[~np.isnan(rewards)]]
         kept_versions.update(np.unique(cols.weight_version[rows[_ranges(rewarded, np.diff(starts)[eps[~np.isnan(rewards)]])]]).tolist())
-        unit = out["group_id"] if cfg.heldout_unit == "group" else out["episode_id"]
-        mask = heldout_mask(unit.to_pylist(), cfg.heldout_fraction, cfg.seed)
-        units.update(zip(unit.to_pylist(), mask))
+        unit_keys = out[unit_col].to_pylist()
+        mask = heldout_mask(unit_keys, cfg.heldout_fraction, cfg.seed)
+        units.update(zip(unit_keys, mask))
         held = pa.array(mask)
         writers["train"].write(out.filter(pc.invert(held)))
         writers["heldout"].write(out.filter(held))
 
     counts = {s: w.close() for s, w in writers.items()}
     if more := topup_heldout(units, cfg):
-        counts = _move_to_heldout(tmp, "group_id" if cfg.heldout_unit == "group" else "episode_id", more)
+        counts = _move_to_heldout(tmp, unit_col, more)
     files = {str(p.relative_to(tmp)): file_sha256(p) for p in sorted(tmp.rglob("*.parquet"))}
     manifest = RLDatasetManifest(
         path=str(cfg.out_dir), parent=TraceWindow(str(cfg.trace_root), cfg.dates, cfg.weight_versions, cfg.since),
