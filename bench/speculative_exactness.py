@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
+
+from engine_child import print_result, run_in_child
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--worker")
     a = ap.parse_args()
     if a.worker:
-        print("RESULT " + json.dumps(worker(json.loads(a.worker))), flush=True)
+        print_result(worker(json.loads(a.worker)))
         return
     import tempfile
 
@@ -73,14 +73,8 @@ def main() -> None:
     save_draft(new_draft(load_model(target).config, DraftShape(hidden_size=64, num_heads=1)), target, work / "untrained")
     rows = {}
     for name, draft in (("plain", None), ("untrained draft", str(work / "untrained")), ("self draft", target)):
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         job = {"target": target, "draft": draft, "temperatures": a.temperatures}
-        proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True,
-                              env=env)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
-        rows[name] = json.loads(lines[-1][7:])
+        rows[name] = run_in_child(__file__, job, name)
     print(f"\n{'engine':<16} {'T':>4} {'mean logprob':>13} {'vs plain':>9} {'distinct/32':>12}")
     for name, by_t in rows.items():
         for t, r in by_t.items():

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from engine_child import print_result, run_in_child
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -236,13 +236,7 @@ def write_traffic(root: Path, episodes) -> None:
 
 
 def in_child(job: dict) -> dict:
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True,
-                          env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"engine run {job['mode']} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_in_child(__file__, job, f"engine run {job['mode']}")
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -257,7 +251,7 @@ def main() -> None:
     ap.add_argument("--worker")
     a = ap.parse_args()
     if a.worker:
-        print("RESULT " + json.dumps(worker(json.loads(a.worker))), flush=True)
+        print_result(worker(json.loads(a.worker)))
         return
     from loop.bootstrap import bootstrap
     from loop.config import load_config

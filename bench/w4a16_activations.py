@@ -14,21 +14,21 @@ and the int8 arm over the bf16 arm for both. Off AMX both arms run the bf16 kern
 
     python bench/w4a16_activations.py
 
-Measured (2-core Xeon with AMX, 2026-12-05, two runs): kl 6.84e-3 vs 6.82e-3 (1.00x), decode 0.94x,
-0.93x. The tiny model (hidden 192) cannot show what int8 activations buy on wide layers, so serving
-keeps vLLM's default (`rollout.capabilities.Capabilities.w4a16_activations` reports which runs).
+Measured (2-core Xeon with AMX, 2026-12-05): kl 6.84e-3 vs 6.82e-3 (1.00x), decode 0.94x, 0.93x,
+1.00x (three runs). The tiny model (hidden 192) cannot show what int8 activations buy on wide
+layers, so serving keeps vLLM's default (`rollout.capabilities.Capabilities.w4a16_activations` reports which runs).
 Without its AMX tile request (rollout/vllm_plugin.py) the bf16 arm died with SIGILL here.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from engine_child import print_result, run_in_child
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -74,7 +74,7 @@ def worker(job: dict) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        print("RESULT " + json.dumps(worker(json.loads(sys.argv[2]))), flush=True)
+        print_result(worker(json.loads(sys.argv[2])))
         return
     import torch
     from transformers import AutoModelForCausalLM
@@ -95,14 +95,8 @@ def main() -> None:
     torch.save(ref, work / "ref.pt")
     rows = {}
     for name, flag in (("bf16 activations", "0"), ("int8 activations", "1")):
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_INT4_W4A8": flag}
         job = {"served": str(served), "seqs": seqs, "vocab": model.config.vocab_size, "ref": str(work / "ref.pt")}
-        proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True,
-                              env=env)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            raise RuntimeError(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}\n{proc.stdout[-3000:]}")
-        rows[name] = json.loads(lines[-1][7:])
+        rows[name] = run_in_child(__file__, job, name, {"VLLM_CPU_INT4_W4A8": flag})
     print(f"\n{'W4A16 arm':<18} {'int8 layers':>11} {'kl':>10} {'decode tok/s':>13}")
     for name, r in rows.items():
         print(f"{name:<18} {str(r['int8_layers']):>11} {r['kl']:>10.2e} {r['tok_s']:>13.1f}")
