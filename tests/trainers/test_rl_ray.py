@@ -25,6 +25,12 @@ RUN = dict(lr=1e-3, warmup_steps=0, lr_schedule="constant", minibatch_episodes=4
            threads_per_worker=1, prefix_rows=1)
 
 
+def one_thread():
+    """This process on one thread, as each worker is: the same kernels, comparable float sums."""
+    torch.set_num_threads(1)
+    assert torch.get_num_threads() == 1, "torch.set_num_threads was replaced (an in-process vLLM worker?)"
+
+
 @pytest.fixture(scope="module")
 def ray_runtime():
     import ray
@@ -37,7 +43,7 @@ def ray_runtime():
 
 
 def test_two_ray_workers_equal_one_process(ray_runtime, tiny_base, rl_dataset, tmp_path):
-    torch.set_num_threads(1)  # the same kernels as the workers': comparable float sums
+    one_thread()
     reports = []
     rel = os.path.relpath  # paths relative to this process's directory (the loop's default run_dir is)
     two = run_training(TrainJob(rel(tiny_base.path), rel(rl_dataset.path), rel(tmp_path / "two"),
@@ -65,7 +71,7 @@ def test_a_bad_dataset_fails_before_workers_start(ray_runtime, tiny_base, datase
 
 
 def test_two_ray_workers_sharing_prompts_take_the_same_steps(ray_runtime, tiny_base, rl_dataset, tmp_path):
-    torch.set_num_threads(1)
+    one_thread()
     run = {**RUN, "prefix_rows": 4}  # the planted groups have 4 rows: a rank holds half a piece
     two = run_training(TrainJob(tiny_base.path, rl_dataset.path, str(tmp_path / "two"),
                                 RLConfig(num_workers=2, **run), SPEC), RayConfig())
