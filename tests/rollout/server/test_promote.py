@@ -188,7 +188,9 @@ def test_a_stack_change_gates_the_serving_version_again(promo, gate_dataset):
     registry = Registry(cfg.tracking_uri, cfg.promote.model_name)
     version = registry.alias("serving")
     assert version.source == status["path"]
-    registry.tag(version.version, stack={**status["stack"], "kernel_build": "_C_OLD", "device_name": "another CPU"})
+    acts = status["stack"]["w4a16_activations"]
+    registry.tag(version.version, stack={**status["stack"], "kernel_build": "_C_OLD", "device_name": "another CPU",
+                                         "w4a16_activations": "fp8"})
     version = registry.alias("serving")
     seqs = heldout(cfg, gate_dataset.path)
     g = regate_on_stack_change(cfg, registry, version, status, seqs, root / "run")
@@ -197,6 +199,7 @@ def test_a_stack_change_gates_the_serving_version_again(promo, gate_dataset):
     tags = registry.client.get_model_version(registry.name, version.version).tags
     assert tags["regate"] == "pass" and json.loads(tags["stack"])["kernel_build"] == detect().kernel_build
     assert json.loads(tags["regate_stack_change"]) == {"kernel_build": ["_C_OLD", detect().kernel_build],
+                                                       "w4a16_activations": ["fp8", acts],
                                                        "device_name": ["another CPU", status["stack"]["device_name"]]}
     assert regate_on_stack_change(cfg, registry, registry.alias("serving"), status, seqs, root / "run") is None
 

@@ -61,6 +61,7 @@ def _says_what_it_serves(server, fmt: str) -> dict:
     row = server.trace(r.headers["x-flywheel-trace-id"])
     assert row["stack"]["quant_format"] == f"compressed-tensors-{fmt}" and row["status"] == "ok"
     assert row["stack"]["kernel_build"] == caps.kernel_build
+    assert row["stack"]["w4a16_activations"] == (caps.w4a16_activations if fmt == "w4a16" else None)
     assert len(row["completion_logprobs"]) == len(row["completion_token_ids"]) > 0
     info = (f'flywheel_serving_info{{device="{caps.device}",dtype="bfloat16",kernel_build="{caps.kernel_build}",'
             f'quant_format="compressed-tensors-{fmt}"}} 1.0')
