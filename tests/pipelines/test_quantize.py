@@ -60,8 +60,8 @@ def kq_tiny_src(tmp_path_factory):
 def kq_engine(path):
     """One in-process vLLM engine; restores the environment and vLLM's env cache after."""
     saved = {k: os.environ.get(k) for k in ENGINE_ENV}
-    # vLLM's CPU worker binds this process's threads and replaces torch.set_num_threads with a
-    # no-op; put both back after, or later tests that pin threads (the Ray trainer's) silently can't
+    # vLLM's CPU worker replaces torch.set_num_threads with a no-op that outlives the engine; put it
+    # and the thread count back after, or later tests that pin threads (the Ray trainer's) silently can't
     set_threads, threads = torch.set_num_threads, torch.get_num_threads()
     os.environ.update(ENGINE_ENV)
     # vLLM's AMX W4A16 kernel (VLLM_CPU_INT4_W4A8=0) runs AMX tile instructions without asking
