@@ -9,7 +9,8 @@
 
     python bench/requantize_plan.py [--checkpoint DIR] [--dataset DIR] [--qat DIR --no-qat DIR]
                                     [--budgets 2 4 8] [--kib-budgets 256 512] [--sequences N]
-                                    [--calibration N] [--measure-on DATASET] [--skip-qat] [key=value ...]
+                                    [--calibration N] [--selection N] [--measure-on DATASET] [--skip-qat]
+                                    [key=value ...]
 
 Defaults: the newest checkpoint and dataset under the config's run_dir (`loop run` makes them);
 without --qat/--no-qat the two checkpoints are trained here (in-process, the config's trainer).
@@ -82,8 +83,10 @@ def ratio_interval(a, b, seqs, draws: int = 2000, seed: int = 0) -> tuple[float,
     return r.quantile(0.05).item(), r.quantile(0.95).item()
 
 
-def plans(ckpt: str, spec, calib, heldout, budgets: list[int], kib_budgets: list[int] = ()) -> list[dict]:
-    """Per budget: both searches on calibration, measured on held-out; and the oracle, the joint
+def plans(ckpt: str, spec, calib, heldout, budgets: list[int], kib_budgets: list[int] = (),
+          selection=None) -> list[dict]:
+    """Per budget: both searches on calibration, measured on held-out, with the plan the loop would
+    serve (the lower of the two on `selection`, other train episodes); and the oracle, the joint
     search run on held-out itself: what a search could at best find there (biased low: it also fits
     that slice's noise)."""
     import torch
@@ -103,7 +106,7 @@ def plans(ckpt: str, spec, calib, heldout, budgets: list[int], kib_budgets: list
     for k, rq in configs:
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
         t0 = time.perf_counter()
-        plan = search_plan(model, spec, calib, rq)
+        plan = search_plan(model, spec, calib, rq, selection=selection)
         search_s = round(time.perf_counter() - t0, 1)
         joint_t, base_t = (held.per_token(units(p)) for p in (plan.joint["plan"], plan.one_at_a_time["plan"]))
         held.scores.clear()  # max_evals counts the scorer's memo: each budget's oracle gets its own
@@ -111,6 +114,7 @@ def plans(ckpt: str, spec, calib, heldout, budgets: list[int], kib_budgets: list
         row = {"budget": k, "search_s": search_s, "plans_scored": len(plan.evaluated),
                "calib_joint": plan.joint["kl"], "calib_baseline": plan.one_at_a_time["kl"],
                "heldout_joint": joint_t.mean().item(), "heldout_baseline": base_t.mean().item(),
+               "heldout_chosen": held(units(plan.full_precision)), "chosen": plan.selection.get("chosen", "joint"),
                "heldout_ratio_90": ratio_interval(joint_t, base_t, heldout),
                "heldout_oracle": oracle["kl"], "oracle_plan": oracle["plan"],
                "heldout_all_quantized": held(frozenset()),
@@ -122,7 +126,8 @@ def plans(ckpt: str, spec, calib, heldout, budgets: list[int], kib_budgets: list
         print(f"budget {k}: joint {row['calib_joint']:.3e} vs one-at-a-time {row['calib_baseline']:.3e} "
               f"(calibration, {row['calib_joint'] / row['calib_baseline']:.2f}x); held-out, baseline {b:.3e}: "
               f"joint {row['heldout_joint'] / b:.2f}x (90% interval {row['heldout_ratio_90'][0]:.2f}-"
-              f"{row['heldout_ratio_90'][1]:.2f}x over sequences); the best plan searched on held-out itself "
+              f"{row['heldout_ratio_90'][1]:.2f}x over sequences), the loop's choice ({row['chosen']}) "
+              f"{row['heldout_chosen'] / b:.2f}x; the best plan searched on held-out itself "
               f"{row['heldout_oracle'] / b:.2f}x; all quantized {row['heldout_all_quantized'] / b:.2f}x; "
               f"{row['more_quantized_lower_kl']} scored pairs where quantizing one more unit lowered KL", flush=True)
     return rows
@@ -140,6 +145,8 @@ def main() -> None:
                     help="byte budgets (KiB the full-precision layers may add), searched after --budgets")
     ap.add_argument("--sequences", type=int, default=32, help="held-out episodes the plans are measured on")
     ap.add_argument("--calibration", type=int, help="train episodes the plans are searched on (default: --sequences)")
+    ap.add_argument("--selection", type=int, help="train episodes after those that choose between the joint plan and "
+                    "the baseline (default: requantize.selection_sequences)")
     ap.add_argument("--measure-on", help="a dataset (not --dataset) whose train episodes the plans are measured on "
                     "instead of --dataset's held-out split: e.g. the next cycle's")
     ap.add_argument("--skip-qat", action="store_true", help="only the plan search")
@@ -161,7 +168,10 @@ def main() -> None:
     if spec_d is None:
         sys.exit(f"serve.quant resolves to {fmt} here: nothing to requantize")
     spec = QuantSpec.from_dict(spec_d)
-    calib = dataset_sequences(dataset, "train", a.calibration or a.sequences)
+    n = a.calibration or a.sequences
+    drawn = dataset_sequences(dataset, "train", n + (cfg.requantize.selection_sequences if a.selection is None
+                                                     else a.selection))
+    calib, selection = drawn.head(n), (drawn.rows(n) if len(drawn.ids) > n else None)
     # the held-out split is ~10% of a dataset's groups (one problem in some cycles): --measure-on
     # takes episodes of another dataset instead, e.g. the next cycle's, traffic this checkpoint served
     heldout = (dataset_sequences(a.measure_on, "train", a.sequences) if a.measure_on
@@ -169,7 +179,7 @@ def main() -> None:
     print(f"{detect().describe()}; {fmt}; checkpoint {ckpt}; calibration {calib.num_scored} scored tokens"
           f"; measured on {heldout.source} ({len(heldout.ids)} episodes, "
           f"{heldout.num_scored} scored tokens; 'held-out' below)", flush=True)
-    rows = plans(ckpt, spec, calib, heldout, a.budgets, a.kib_budgets)
+    rows = plans(ckpt, spec, calib, heldout, a.budgets, a.kib_budgets, selection)
     if a.skip_qat:
         return
 

@@ -66,24 +66,35 @@ def requantize_phase(cfg, ckpt, dataset_path: str, run_dir: Path, serving: str |
             pass
         return Candidate(ckpt.path, None, fmt, None, ckpt.parent, dataset_path, time.perf_counter() - t0)
     out = Path(run_dir) / "served" / Path(ckpt.path).name
-    calibration = dataset_sequences(dataset_path, "train", cfg.requantize.calibration_sequences)
+    n = cfg.requantize.calibration_sequences
+    drawn = dataset_sequences(dataset_path, "train", n + cfg.requantize.selection_sequences)
+    calibration, selection = drawn.head(n), (drawn.rows(n) if len(drawn.ids) > n else None)
     with start_run(cfg, "requantize", tags={"phase": "requantize", "checkpoint_path": ckpt.path, "format": fmt}):
         manifest, plan = requantize(ckpt.path, out, QuantSpec.from_dict(spec), calibration, cfg.requantize,
-                                    parent=ckpt.path, overwrite=True, serving=layer_plan(serving) if serving else None)
+                                    parent=ckpt.path, overwrite=True, serving=layer_plan(serving) if serving else None,
+                                    selection=selection)
         mlflow.log_dict(plan.to_dict(), "layer_plan.json")
         mlflow.log_metrics({"requantize/kl": plan.kl, "requantize/kl_joint": plan.joint["kl"],
                             "requantize/kl_one_at_a_time": plan.one_at_a_time["kl"],
                             "requantize/full_precision_layers": len(plan.full_precision),
                             "requantize/plans_scored": len(plan.evaluated), "requantize/search_s": plan.seconds,
                             "requantize/kept_serving_plan": float(plan.serving_plan.get("kept", False))})
+        if plan.selection:
+            mlflow.log_metrics({"requantize/selection_kl_joint": plan.selection["joint_kl"],
+                                "requantize/selection_kl_one_at_a_time": plan.selection["one_at_a_time_kl"],
+                                "requantize/chose_joint": float(plan.selection["chosen"] == "joint")})
         _plot_plan(plan)
         mlflow.set_tag("served_path", manifest.path)
     c = Candidate(manifest.path, ckpt.path, fmt, plan, ckpt.parent, dataset_path, time.perf_counter() - t0)
     ratio = plan.joint["kl"] / plan.one_at_a_time["kl"] if plan.one_at_a_time["kl"] > 0 else float("nan")
+    notes = [f"joint plan {ratio:.2f}x the one-at-a-time baseline's",
+             f"{len(plan.evaluated)} plans scored in {plan.seconds:.1f}s"]
+    if plan.selection:
+        notes.append(f"the {plan.selection['chosen']} plan lower on {plan.selection['sequences']} other episodes")
+    if plan.serving_plan.get("kept"):
+        notes.append(f"the serving plan kept, KL {plan.serving_plan['kl']:.2e}")
     print(f"[loop] requantized as {fmt} -> {c.path}: {len(plan.full_precision)} layers kept full precision, "
-          f"KL to full precision {plan.kl:.2e} (joint plan {ratio:.2f}x the one-at-a-time baseline's; "
-          f"{len(plan.evaluated)} plans scored in {plan.seconds:.1f}s"
-          f"{'; the serving plan kept, KL ' + format(plan.serving_plan['kl'], '.2e') if plan.serving_plan.get('kept') else ''})",
+          f"KL to full precision {plan.kl:.2e} ({'; '.join(notes)})",
           flush=True)
     return c
 

@@ -34,7 +34,10 @@ class Sequences:
         return sum(len(s) for s in self.ids)
 
     def head(self, n: int) -> "Sequences":
-        return Sequences(self.ids[:n], self.sampled[:n], self.source, self.episode_ids[:n])
+        return self.rows(0, n)
+
+    def rows(self, start: int, stop: int | None = None) -> "Sequences":
+        return Sequences(self.ids[start:stop], self.sampled[start:stop], self.source, self.episode_ids[start:stop])
 
 
 def dataset_sequences(dataset: str | Path, split: str, max_sequences: int, seed: int = 0) -> Sequences:

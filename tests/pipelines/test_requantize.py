@@ -1,7 +1,8 @@
 """Requantize on the tiny model: the plan keeps to its budget and to vLLM's fused groups, the
 checkpoint quantizes exactly the plan's complement and carries the plan, the joint search is never
-worse than the one-at-a-time baseline, and the KL a plan was scored with is the KL of the
-checkpoint written for it (measured again on the loaded folder)."""
+worse than the one-at-a-time baseline on its slice (a second slice chooses between them), and the
+KL a plan was scored with is the KL of the checkpoint written for it (measured again on the loaded
+folder)."""
 
 from __future__ import annotations
 
@@ -110,6 +111,7 @@ def test_the_serving_plan_is_kept_only_within_its_factor(planned, tiny_base, cal
 @pytest.mark.parametrize("kw, key", [({"max_full_precision_layers": -1}, "max_full_precision_layers"),
                                       ({"search": "random"}, "search"),
                                       ({"calibration_sequences": 0}, "calibration_sequences"),
+                                      ({"selection_sequences": -1}, "selection_sequences"),
                                       ({"keep_serving_plan_within": 0.5}, "keep_serving_plan_within")])
 def test_config_errors_name_the_key(kw, key):
     with pytest.raises(ValueError, match=key):
@@ -132,3 +134,39 @@ def test_nan_weights_make_nan_kl_not_a_plan(tiny_base, calibration, tmp_path):
     save_file(tensors, shard, metadata={"format": "pt"})
     _, plan = requantize(src, tmp_path / "q", SPEC, calibration, RequantizeConfig(max_full_precision_layers=2))
     assert torch.isnan(torch.tensor(plan.kl))
+
+
+def test_a_second_slice_chooses_between_the_joint_plan_and_the_baseline(tiny_base, gate_dataset):
+    """The joint search fits the noise of its own slice; with `selection` (episodes it did not
+    see) the plan is whichever of the joint plan and the baseline has the lower KL there, as an
+    independent scorer on those episodes measures it."""
+    from transformers import AutoModelForCausalLM
+
+    from pipelines.requantize import PlanScorer, search_plan, select
+
+    drawn = dataset_sequences(gate_dataset.path, "train", 16)  # 5 here
+    calibration, other = drawn.head(3), drawn.rows(3)
+    assert not set(calibration.episode_ids) & set(other.episode_ids)
+
+    def model():
+        return AutoModelForCausalLM.from_pretrained(tiny_base.path, dtype=torch.float32)
+
+    cfg = RequantizeConfig(max_full_precision_layers=4)  # here the two plans differ, the baseline lower on `other`
+    plan = search_plan(model(), SPEC, calibration, cfg, selection=other)
+    assert search_plan(model(), SPEC, calibration, cfg).joint == plan.joint  # selection leaves the search alone
+    judge = PlanScorer(model(), SPEC, other)
+    units = {k: frozenset(getattr(plan, k)["units"]) for k in ("joint", "one_at_a_time")}
+    if units["joint"] == units["one_at_a_time"]:
+        assert plan.selection == {} and plan.full_precision == plan.joint["plan"]
+    else:
+        lower = min(units, key=lambda k: judge(units[k]))
+        assert plan.selection["chosen"] == lower and plan.full_precision == getattr(plan, lower)["plan"]
+        assert plan.selection["joint_kl"] == pytest.approx(judge(units["joint"]), rel=1e-5)
+    # the choice itself, between two plans that differ: the lower one on the judge's episodes wins
+    worse = max((frozenset(judge.units.index(u) for u in judge.units if set(u.layers) <= set(e["full_precision"]))
+                 for e in plan.evaluated), key=judge)
+    best = {"units": sorted(units["joint"])}
+    picked = select(judge, best, {"units": sorted(worse)})
+    assert worse != units["joint"] and picked["chosen"] == "joint"
+    assert select(judge, {"units": sorted(worse)}, best)["chosen"] == "one_at_a_time"
+    assert picked["sequences"] == len(other.ids) and picked["scored_tokens"] == other.num_scored
