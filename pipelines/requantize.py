@@ -42,12 +42,13 @@ class RequantizeConfig:
     calibration_sequences: int = 16  # episodes of the train split the plans are scored on
     # Train episodes after the calibration ones on which the joint plan and the baseline are scored
     # again, the lower chosen; 0: the joint plan as searched. Measured over the 7 checkpoints of a
-    # default run, on the next cycle's traffic, at 4 layers: the joint plan searched on 16 episodes had 1.12x the
-    # baseline's KL (geometric mean; up to 1.95x), the one chosen on 32 more 0.97x (at most 1.07x).
+    # default run, on the next cycle's traffic, at 4 layers: the joint plan searched on 16 episodes
+    # had 1.12x the baseline's KL (geometric mean; up to 1.95x), the one chosen on 32 more 0.97x
+    # (at most 1.07x).
     selection_sequences: int = 32
     search: str = "joint"  # "joint" | "one_at_a_time" (the baseline, for comparison)
     max_evals: int = 200  # plans scored by the joint search at most (one forward each)
-    # The plan the server runs now is kept when its KL is within this factor of the searched best:
+    # The plan the server runs now is kept when its KL is within this factor of the chosen plan's:
     # the swap then reloads weights in place instead of warming a second engine (~25 s on these
     # CPUs, bench/gate_path.py). Measured in the default loop: the serving plan's KL was 1.5-2.7x
     # the best's, at most 2.5e-3 nats per token, 8x under the gate's max_quant_kl_mean.
