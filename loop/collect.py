@@ -127,7 +127,10 @@ def endpoint(cfg, model: str | Path, run_dir: Path):
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     (logs / "serve-cycle.yaml").write_text(to_yaml(cfg))
-    with ServerProcess(logs / "serve-cycle.yaml", model, cfg.serve.trace_root, logs / "serve-cycle.log") as srv:
+    # the configured token when there is one (`loop rollback` and the user's scripts reach this
+    # server with it), else one of its own; either way passed by environment, never written
+    with ServerProcess(logs / "serve-cycle.yaml", model, cfg.serve.trace_root, logs / "serve-cycle.log",
+                       admin_token=cfg.serve.resolved_admin_token()) as srv:
         print(f"[loop] serving {model} at {srv.url}, traces to {cfg.serve.trace_root}", flush=True)
         yield Endpoint(srv.url, srv.admin_token, srv)
 
@@ -170,7 +173,7 @@ def _flush(endpoint: str, token: str | None) -> None:
     import httpx
 
     if token is None:
-        print(f"[loop] no admin token (serve.admin_token or its env var): traces {endpoint} has not yet "
+        print(f"[loop] no admin token (serve.admin_token_env or serve.admin_token_file): traces {endpoint} has not yet "
               "converted to Parquet will reach a later dataset", flush=True)
         return
     r = httpx.post(endpoint.rstrip("/") + "/admin/flush", headers={"authorization": f"Bearer {token}"}, timeout=120)

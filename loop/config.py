@@ -27,6 +27,14 @@ class MlflowConfig:
     tracking_uri: str | None = None  # None: a sqlite store under run_dir (sqlite:///<run_dir>/mlflow.db)
     experiment: str = "flywheel"
 
+    def __post_init__(self):
+        from urllib.parse import urlsplit
+
+        if self.tracking_uri and urlsplit(self.tracking_uri).password:
+            raise ValueError("tracking_uri holds a password, which would be logged with the config; give the "
+                             "URI without it and the credentials in MLFLOW_TRACKING_USERNAME / "
+                             "MLFLOW_TRACKING_PASSWORD (MLflow reads them from the environment)")
+
 
 @dataclass
 class LoopConfig:
@@ -51,6 +59,10 @@ class LoopConfig:
             raise ValueError("run_dir must not be empty")
         if self.serve.trace_root == ServeConfig.trace_root:  # not set: the run's own, beside its datasets
             self.serve.trace_root = str(Path(self.run_dir) / "data")
+        if self.serve.weights_roots is None:  # what the loop writes and serves: its own folders, the base
+            run = Path(self.run_dir).resolve()
+            self.serve.weights_roots = [str(run / d) for d in ("served", "checkpoints", "drafts")] + [
+                str(Path(self.bootstrap.cache_dir).resolve())]
 
     @property
     def tracking_uri(self) -> str:

@@ -6,7 +6,7 @@
         full-precision weights are --fp, else the parent its manifest names. Exit 0 pass, 1 fail.
     loop rollback CONFIG [key=value ...] [--endpoint URL]
         the registry's `previous` version back on the server (collect.endpoint, or --endpoint) and
-        in the aliases; the admin token is serve.admin_token or the env var serve.admin_token_env.
+        in the aliases; the admin token is in the env var serve.admin_token_env names (or serve.admin_token_file).
 """
 
 from __future__ import annotations

@@ -40,6 +40,13 @@ def folder_sha256(folder: str | Path) -> str:
     return hashlib.sha256("".join(f"{r}:{file_sha256(p)}\n" for r, p in zip(rel, files)).encode()).hexdigest()
 
 
+def files_sha256(folder: str | Path) -> dict[str, str]:
+    """{relative path: sha256} of every file in `folder` but its manifest: what a manifest records."""
+    root = Path(folder)
+    return {p.relative_to(root).as_posix(): file_sha256(p) for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != MANIFEST}
+
+
 def manifest_files(folder: str | Path) -> dict[str, str]:
     """{relative path: sha256} that the folder's manifest records ({} without a manifest): the
     base model's `files_sha256`, or the `files` of the other kinds."""

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pipelines.artifacts import MANIFEST
+from pipelines.artifacts import MANIFEST, files_sha256
 
 
 @dataclass
@@ -106,12 +106,14 @@ class SpeculatorManifest:
 
     def save(self, folder: str | Path) -> None:
         tmp = Path(folder) / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps({"kind": "speculator", **asdict(self)}, indent=2))
+        files = files_sha256(folder)  # the swap loads a draft only with its files' hashes
+        tmp.write_text(json.dumps({"kind": "speculator", **asdict(self), "files": files}, indent=2))
         tmp.replace(Path(folder) / MANIFEST)
 
     @classmethod
     def load(cls, folder: str | Path) -> "SpeculatorManifest":
         data = json.loads((Path(folder) / MANIFEST).read_text())
+        data.pop("files", None)
         if data.pop("kind", None) != "speculator":
             raise ValueError(f"{folder} holds no speculator manifest")
         return cls(**data)

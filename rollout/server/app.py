@@ -26,6 +26,7 @@ from rollout.server.routes import add_routes
 from rollout.server.middleware import FlywheelMiddleware
 from rollout.server.swap import HotSwapper, checkpoint_sha256
 from rollout.server.tracing import stack_fingerprint
+from rollout.server.versions import LEDGER, VersionLedger
 
 log = logging.getLogger("flywheel.server")
 
@@ -82,19 +83,22 @@ def build_server_app(args, inner, cfg: ServeConfig, model: str, supported_tasks,
     caps = caps or detect()
     metrics = FlywheelMetrics()
     draft = cfg.speculative.draft_model if cfg.speculative.method == "draft" else None
-    engine = TracingEngine(inner, WeightState(cfg.weight_version, str(Path(model).resolve()), checkpoint_sha256(model),
-                                              str(Path(draft).resolve()) if draft else None), metrics)
     root = Path(cfg.trace_root)
+    # the start takes a number too: past cfg.weight_version and every number this trace root used
+    ledger = VersionLedger(root / LEDGER, start=cfg.weight_version)
+    sha, path = checkpoint_sha256(model), str(Path(model).resolve())
+    engine = TracingEngine(inner, WeightState(ledger.allocate(sha, path, "start"), path, sha,
+                                              str(Path(draft).resolve()) if draft else None), metrics)
     writer = TraceWriter(TraceConfig(root=root, durability=cfg.trace_durability))
     register_metrics(metrics.registry, writer)
     spec = cfg.speculative
     st = ServerState(cfg=cfg, engine=engine, writer=writer, feedback=FeedbackStore(root), metrics=metrics,
                      swapper=HotSwapper(engine, cfg.canary_tolerance, cfg.drain_timeout_s, metrics,
-                                        engine_args=args, caps=caps),
+                                        engine_args=args, caps=caps, roots=cfg.weights_roots or [], ledger=ledger),
                      stack=stack_fingerprint(model, caps=caps),
                      speculator_version=None if spec.method == "none" else
                      f"{spec.method}:{spec.draft_model or f'{spec.ngram_min}-{spec.ngram_max}'}")
-    metrics.weight_version.set(cfg.weight_version)
+    metrics.weight_version.set(engine.weights.version)
     metrics.serving.labels(caps.device, caps.kernel_build, st.stack.quant_format, args.dtype).set(1)
     app = build_app(args, supported_tasks, inner.model_config)
     if removed := turn_off_unserved_routes(app):
@@ -125,8 +129,9 @@ async def _serve(cfg: ServeConfig, engine_cfg: EngineConfig, model: str) -> None
     listen_address, sock = setup_server(args, reuse_port=False)
     async with build_async_engine_client_from_engine_args(AsyncEngineArgs.from_cli_args(args)) as inner:
         tasks = await inner.get_supported_tasks()
-        await inner.update_weight_version(str(cfg.weight_version))  # vLLM labels each output token with it (keep swaps)
         app, st = build_server_app(args, inner, cfg, model, tasks)
+        # vLLM labels each output token with it (keep swaps)
+        await inner.update_weight_version(str(st.engine.weights.version))
         await init_app_state(st.engine, app.state, args, tasks)
         app.state.flywheel = st
         t0 = time.perf_counter()

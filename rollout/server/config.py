@@ -54,8 +54,16 @@ class ServeConfig:
     port: int = 8000
     trace_root: str = "runs/serve/data"  # traces under <trace_root>/traces, feedback beside
     trace_durability: Literal["commit", "interval"] = "commit"
-    admin_token: str | None = None  # the admin API's bearer token; else read from admin_token_env
+    # The admin API's bearer token comes from the environment variable `admin_token_env` names, or
+    # from the file `admin_token_file` names (first line): never from the config itself, which is
+    # logged to MLflow, the run's state and logs. `admin_token` exists only to refuse a value.
+    admin_token: str | None = None
     admin_token_env: str = "FLYWHEEL_ADMIN_TOKEN"
+    admin_token_file: str | None = None
+    # Folders /admin/weights may load from (a checkpoint and each manifest entry must resolve inside
+    # one), besides the folder the server started on. None: only that folder; the loop sets its
+    # run's served/, checkpoints/ and drafts/ and the bootstrap cache (loop/config.py).
+    weights_roots: list[str] | None = None
     # The environment variable holding the API key clients send as `Authorization: Bearer` on
     # /v1/* (vLLM's --api-key); None: no key, allowed only when `host` is a loopback address.
     api_key_env: str | None = None
@@ -88,6 +96,10 @@ class ServeConfig:
     weight_version: int = 0
 
     def __post_init__(self):
+        if self.admin_token is not None:
+            raise ValueError(f"admin_token: a secret in the config reaches MLflow params, loop_state.json and the "
+                             f"run's logs; put it in ${self.admin_token_env} (admin_token_env) or in a file named by "
+                             "admin_token_file")
         if isinstance(self.weight_version, bool) or not isinstance(self.weight_version, int) or self.weight_version < 0:
             raise ValueError(f"weight_version must be an int >= 0, got {self.weight_version!r}")
         if not self.served_model_name:
@@ -133,7 +145,18 @@ class ServeConfig:
         return key
 
     def resolved_admin_token(self) -> str | None:
-        return self.admin_token or os.environ.get(self.admin_token_env) or None
+        """The token from $admin_token_env, else admin_token_file's first line; None: no admin API."""
+        if token := os.environ.get(self.admin_token_env):
+            return token
+        if self.admin_token_file is None:
+            return None
+        try:
+            token = open(os.path.expanduser(self.admin_token_file)).readline().strip()
+        except OSError as e:
+            raise ValueError(f"serve.admin_token_file: cannot read {self.admin_token_file}: {e.strerror}") from None
+        if not token:
+            raise ValueError(f"serve.admin_token_file: {self.admin_token_file} is empty")
+        return token
 
 
 def _is_loopback(host: str) -> bool:

@@ -1,8 +1,8 @@
 """Flywheel's routes beside vLLM's: /metrics, POST /v1/feedback (one object or an array),
 GET /admin/status, POST /admin/flush, POST /admin/weights.
 
-The admin API takes `Authorization: Bearer <token>` (serve.admin_token, else the env var named by
-serve.admin_token_env): 401 without a bearer token, 403 with a wrong one (or when no token is
+The admin API takes `Authorization: Bearer <token>` (from the env var named by serve.admin_token_env,
+or the file serve.admin_token_file): 401 without a bearer token, 403 with a wrong one (or when no token is
 configured: the admin API is then disabled).
 """
 
@@ -21,7 +21,7 @@ log = logging.getLogger("flywheel.server")
 FEEDBACK_FIELDS = {"trace_id", "reward", "rating", "comment", "source", "episode_id", "feedback_id"}
 RECENT_FEEDBACK_IDS = 100_000  # client-chosen feedback_ids remembered for retries
 MAX_FEEDBACK_BATCH = 1000
-SWAP_FIELDS = {"path", "draft_path", "mode", "clear_cache"}
+SWAP_FIELDS = {"path", "draft_path", "mode", "clear_cache", "checkpoint_sha256", "expected_current_sha"}
 
 
 def add_routes(app, st) -> None:
@@ -81,7 +81,7 @@ def add_routes(app, st) -> None:
     def _auth(request: Request) -> JSONResponse | None:
         token = st.cfg.resolved_admin_token()
         if token is None:
-            return _err(403, f"admin API disabled: set serve.admin_token or ${st.cfg.admin_token_env}")
+            return _err(403, f"admin API disabled: set ${st.cfg.admin_token_env} (or serve.admin_token_file)")
         header = request.headers.get("authorization", "")
         if not header.lower().startswith("bearer "):
             return JSONResponse({"error": {"message": "missing bearer token", "code": 401}}, status_code=401,
@@ -122,7 +122,8 @@ def add_routes(app, st) -> None:
         except ValueError:
             return _err(400, 'body must be JSON: {"path": "<checkpoint folder>"}')
         usage = ('body must be {"path": "<checkpoint folder>", "draft_path"?: "<draft folder>", '
-                 '"mode"?: "drain" | "keep", "clear_cache"?: true | false}')
+                 '"mode"?: "drain" | "keep", "clear_cache"?: true | false, "checkpoint_sha256"?: "<the weights '
+                 'expected in path>", "expected_current_sha"?: "<the weights expected to serve now>"}')
         if not isinstance(body, dict) or not isinstance(body.get("path"), str) or set(body) - SWAP_FIELDS:
             return _err(400, usage)
         draft, mode, clear = body.get("draft_path"), body.get("mode", st.cfg.swap_mode), body.get("clear_cache", True)
@@ -130,8 +131,12 @@ def add_routes(app, st) -> None:
             return _err(400, "draft_path must be a folder path")
         if mode not in ("drain", "keep") or not isinstance(clear, bool):
             return _err(400, usage)
+        want, current = body.get("checkpoint_sha256"), body.get("expected_current_sha")
+        if not all(x is None or isinstance(x, str) for x in (want, current)):
+            return _err(400, usage)
         try:
-            result = await st.swapper.swap(body["path"], draft, mode=mode, clear_cache=clear)
+            result = await st.swapper.swap(body["path"], draft, mode=mode, clear_cache=clear, expected_sha=want,
+                                           expected_current_sha=current)
         except SwapError as e:
             log.warning("weight swap refused or rolled back: %s", e.message)
             return _err(e.status, e.message)

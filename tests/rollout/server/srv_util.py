@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 import threading
 from pathlib import Path
 
@@ -18,7 +19,9 @@ class ServerProc(ServerProcess):
     """`loop serve conf/tiny.yaml ...` in a subprocess (rollout/server/process.py), with the tests' admin token."""
 
     def __init__(self, model: str, trace_root: Path, log_path: Path, overrides: list[str] = (), env: dict | None = None):
-        super().__init__(REPO / "conf" / "tiny.yaml", model, trace_root, log_path, overrides, env, ADMIN_TOKEN)
+        # the tests swap in folders they make under the temp dir
+        roots = f"serve.weights_roots=[{tempfile.gettempdir()}]"
+        super().__init__(REPO / "conf" / "tiny.yaml", model, trace_root, log_path, [roots, *overrides], env, ADMIN_TOKEN)
 
     def traces(self) -> list[dict]:
         from rollout.traces import read_traces
@@ -75,7 +78,15 @@ def perturbed_copy(src: str | Path, dst: Path, scale: float = 0.05, seed: int = 
         out = {k: (v + scale * v.std() * torch.randn(v.shape, generator=g)).contiguous()
                if v.is_floating_point() and v.ndim == 2 else v for k, v in tensors.items()}
         save_file(out, dst / shard.name, metadata={"format": "pt"})
+    write_test_manifest(dst)
     return dst
+
+
+def write_test_manifest(folder: Path) -> None:
+    """A manifest recording the folder's files as they are (the swap loads nothing without one)."""
+    from pipelines.artifacts import MANIFEST, files_sha256
+
+    (Path(folder) / MANIFEST).write_text(json.dumps({"kind": "test_copy", "files": files_sha256(folder)}))
 
 
 def chat_messages(text: str = "A box holds 12 pens. How many pens are in 7 boxes?") -> list[dict]:

@@ -8,12 +8,13 @@ import pyarrow.parquet as pq
 from srv_util import ADMIN_TOKEN
 
 
-def test_collect_through_an_existing_endpoint_then_build(srv_main, tiny_base, tmp_path):
+def test_collect_through_an_existing_endpoint_then_build(srv_main, tiny_base, tmp_path, monkeypatch):
     from loop.collect import collect_phase, dataset_phase, endpoint
     from loop.config import load_config
 
+    monkeypatch.setenv("FLYWHEEL_ADMIN_TOKEN", ADMIN_TOKEN)  # the token comes from the environment only
     cfg = load_config("conf/tiny.yaml", [
-        f"run_dir={tmp_path / 'run'}", f"serve.trace_root={srv_main.trace_root}", f"serve.admin_token={ADMIN_TOKEN}",
+        f"run_dir={tmp_path / 'run'}", f"serve.trace_root={srv_main.trace_root}",
         f"collect.endpoint={srv_main.url}", "collect.num_problems=2", "collect.rollout.group_size=3", "collect.rollout.max_tokens=32",
         "dataset.heldout_fraction=0"])
     with endpoint(cfg, tiny_base.path, tmp_path / "run") as ep:

@@ -54,8 +54,9 @@ def promo(tiny_base, gate_dataset, plant, tmp_path_factory):
     if fmt == "none":
         pytest.skip("this machine serves no quantized format")
     root = tmp_path_factory.mktemp("promote")
+    (root / "admin-token").write_text(ADMIN_TOKEN + "\n")  # a secret comes from a file or the environment
     over = [f"run_dir={root / 'run'}", "serve.quant=auto", f"bootstrap.cache_dir={root / 'cache'}",
-            "validate.heldout_sequences=8", "task.num_eval_problems=16", f"serve.admin_token={ADMIN_TOKEN}"]
+            "validate.heldout_sequences=8", "task.num_eval_problems=16", f"serve.admin_token_file={root / 'admin-token'}"]
     server = ServerProc(tiny_base.path, root / "data", root / "server.log", over[1:3]).wait_healthy()
     cfg = load_config("conf/tiny.yaml", over)
     _, noisy_copy, _ = plant
@@ -144,7 +145,7 @@ def test_good_candidate_is_promoted_and_rollback_restores_it_exactly(promo):
 
     from loop.manual import rollback_main
 
-    cfg_args = ["conf/tiny.yaml", f"run_dir={root / 'run'}", f"serve.admin_token={ADMIN_TOKEN}"]
+    cfg_args = ["conf/tiny.yaml", f"run_dir={root / 'run'}", f"serve.admin_token_file={root / 'admin-token'}"]
     assert rollback_main(cfg_args + ["--endpoint", server.url]) == 0  # `loop rollback`
     assert registry.alias("serving").source == before["path"]
     assert registry.alias("previous").version == version.version

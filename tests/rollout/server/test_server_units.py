@@ -9,13 +9,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from srv_util import perturbed_copy
+from srv_util import perturbed_copy, write_test_manifest
 
 from rollout.engine import EngineConfig
 from rollout.server.config import ServeConfig, SpeculativeConfig, vllm_cli_args
 from rollout.server.engine import Gate
 from rollout.server.output import OutputParser
-from rollout.server.swap import SwapError, check_folder, checkpoint_sha256
+from rollout.server.swap import SwapError, check_folder, check_origin, checkpoint_sha256
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -118,6 +118,9 @@ def test_check_folder_refuses_incompatible_checkpoints(tiny_base, tmp_path):
     cfg = json.loads((arch / "config.json").read_text())
     cfg["hidden_size"] *= 2
     (arch / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SwapError, match="config.json does not match its manifest sha256"):
+        check_folder(arch, base)
+    write_test_manifest(arch)
     with pytest.raises(SwapError, match="hidden_size") as e:
         check_folder(arch, base)
     assert e.value.status == 409
@@ -126,6 +129,59 @@ def test_check_folder_refuses_incompatible_checkpoints(tiny_base, tmp_path):
     (tampered / "model.safetensors").write_bytes((tampered / "model.safetensors").read_bytes()[:-8] + b"\0" * 8)
     with pytest.raises(SwapError, match="manifest sha256"):
         check_folder(tampered, base)
+
+
+def test_a_swap_loads_only_manifested_files_inside_the_allowed_roots(tiny_base, tmp_path):
+    """Before c8fb06b's fix any folder was loaded: without a manifest, with entries outside it,
+    with weights it did not list, from anywhere on the machine."""
+    base = tiny_base.path
+    roots = [str(tmp_path / "allowed")]
+    ok = perturbed_copy(base, tmp_path / "allowed" / "ok")
+    check_origin(ok, roots)
+    assert check_folder(ok, base) == checkpoint_sha256(ok)
+    outside = perturbed_copy(base, tmp_path / "elsewhere")
+    for path in (outside, tmp_path / "allowed" / ".." / "elsewhere"):
+        with pytest.raises(SwapError, match="outside serve.weights_roots") as e:
+            check_origin(path, roots)
+        assert e.value.status == 403
+    (tmp_path / "allowed" / "link").symlink_to(outside)  # a link inside a root to a folder outside it
+    with pytest.raises(SwapError, match="outside serve.weights_roots"):
+        check_origin(tmp_path / "allowed" / "link", roots)
+
+    bare = perturbed_copy(base, tmp_path / "bare")
+    (bare / "flywheel_manifest.json").unlink()
+    with pytest.raises(SwapError, match="no flywheel_manifest.json") as e:
+        check_folder(bare, base)
+    assert e.value.status == 400
+    (tmp_path / "secret.bin").write_bytes(b"x")
+    escape = perturbed_copy(base, tmp_path / "escape")
+    m = json.loads((escape / "flywheel_manifest.json").read_text())
+    m["files"]["../secret.bin"] = "0" * 64
+    (escape / "flywheel_manifest.json").write_text(json.dumps(m))
+    with pytest.raises(SwapError, match="'../secret.bin' points outside the folder"):
+        check_folder(escape, base)
+    extra = perturbed_copy(base, tmp_path / "extra")
+    shutil.copy(extra / "model.safetensors", extra / "model-00002.safetensors")
+    with pytest.raises(SwapError, match="weights files not in its manifest: model-00002.safetensors"):
+        check_folder(extra, base)
+
+
+def test_the_admin_token_comes_from_the_environment_or_a_file_never_the_config(monkeypatch, tmp_path):
+    from loop.config import load_config
+    from loop.configs import ConfigError
+
+    with pytest.raises(ConfigError, match="serve: admin_token: a secret in the config"):
+        load_config("conf/tiny.yaml", ["serve.admin_token=hunter2"])
+    with pytest.raises(ConfigError, match="mlflow: tracking_uri holds a password"):
+        load_config("conf/tiny.yaml", ["mlflow.tracking_uri=postgresql://u:hunter2@db/mlflow"])
+    monkeypatch.delenv("FLYWHEEL_ADMIN_TOKEN", raising=False)
+    assert ServeConfig().resolved_admin_token() is None
+    (tmp_path / "token").write_text("from-file\n")
+    assert ServeConfig(admin_token_file=str(tmp_path / "token")).resolved_admin_token() == "from-file"
+    with pytest.raises(ValueError, match="serve.admin_token_file: cannot read"):
+        ServeConfig(admin_token_file=str(tmp_path / "nope")).resolved_admin_token()
+    monkeypatch.setenv("FLYWHEEL_ADMIN_TOKEN", "from-env")
+    assert ServeConfig(admin_token_file=str(tmp_path / "token")).resolved_admin_token() == "from-env"
 
 
 def test_a_server_reachable_by_others_needs_an_api_key(monkeypatch):

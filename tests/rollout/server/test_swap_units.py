@@ -64,11 +64,11 @@ def folders(tiny_base, tmp_path):
     return str(tiny_base.path), str(perturbed_copy(tiny_base.path, tmp_path / "new").resolve())
 
 
-def _swapper(old: str, new: str, stack=None):
+def _swapper(old: str, new: str, stack=None, ledger=None):
     inner = ScriptedEngine({old: -1.0, new: -2.0}, loaded=old)
     engine = TracingEngine(inner, WeightState(0, old, checkpoint_sha256(old), stack=stack))
     reference = lambda path, ids: [{old: -1.0, new: -2.0}[str(path)]] * (len(ids) - 1)  # noqa: E731
-    return HotSwapper(engine, 0.05, drain_timeout_s=1, reference=reference, caps=CAPS), engine, inner
+    return HotSwapper(engine, 0.05, drain_timeout_s=1, reference=reference, caps=CAPS, ledger=ledger), engine, inner
 
 
 def test_an_in_place_swap_keeps_the_engines_stack(folders):
@@ -192,3 +192,66 @@ def test_a_reload_rounds_the_int8_paths_biases_as_the_start_did():
     assert round_int8_path_biases(worker) == 1
     assert int8_path.bias.dtype == torch.float32 and torch.equal(int8_path.bias, expected)
     assert torch.equal(plain.bias, before)  # another kernel keeps its bias in the model dtype itself
+
+
+def test_a_weight_version_names_one_checkpoint_forever(folders, tmp_path):
+    """A failed keep swap served traffic as 1 and restored 0; on c8fb06b the next swap took 1
+    again, for another checkpoint. The ledger hands out each number once, also across a restart."""
+    import json
+
+    from rollout.server.versions import VersionLedger, read_ledger
+
+    old, new = folders
+    ledger_path = tmp_path / "weight_versions.jsonl"
+    swapper, engine, inner = _swapper(old, new, ledger=VersionLedger(ledger_path))
+    inner.logprobs[new] = -3.0  # `new` fails its canary after the keep swap resumed on it
+    with pytest.raises(SwapError):
+        asyncio.run(swapper.swap(new, mode="keep"))
+    assert engine.weights.version == 0 and engine.weights.path == old
+    inner.logprobs[new] = -2.0
+    assert asyncio.run(swapper.swap(new)).weight_version == 2  # 1 is burnt: its tokens named `new` once
+    entries = read_ledger(ledger_path)
+    assert [e["version"] for e in entries] == [1, 2] and {e["path"] for e in entries} == {new}
+    by_version = {}
+    for e in entries:
+        assert by_version.setdefault(e["version"], e["checkpoint_sha256"]) == e["checkpoint_sha256"]
+    with open(ledger_path, "a") as f:
+        f.write('{"version": 7, "chec')  # a kill mid-append: that line never counted
+    restarted = VersionLedger(ledger_path, start=0)
+    assert restarted.allocate(checkpoint_sha256(old), old, "start") == 3
+    assert json.loads(ledger_path.read_text().splitlines()[-1])["version"] == 3
+
+
+def test_a_swap_refuses_other_weights_than_the_gated_and_another_serving_version(folders):
+    old, new = folders
+    swapper, engine, inner = _swapper(old, new)
+    with pytest.raises(SwapError, match="not the gated") as e:
+        asyncio.run(swapper.swap(new, expected_sha="0" * 64))
+    assert e.value.status == 409
+    with pytest.raises(SwapError, match="not the expected") as e:
+        asyncio.run(swapper.swap(new, expected_current_sha=checkpoint_sha256(new)))
+    assert e.value.status == 409 and engine.weights.path == old and not inner.calls
+    result = asyncio.run(swapper.swap(new, expected_sha=checkpoint_sha256(new),
+                                      expected_current_sha=checkpoint_sha256(old)))
+    assert result.checkpoint_sha256 == checkpoint_sha256(new) and engine.weights.path == new
+
+
+def test_bytes_changed_while_loading_restore_the_old_weights(folders):
+    """The swap hashes the folder again after the load: a file rewritten under it is refused."""
+    from pathlib import Path
+
+    old, new = folders
+    swapper, engine, inner = _swapper(old, new)
+    real_rpc = inner.collective_rpc
+
+    async def rewriting_rpc(method, args=(), kwargs=None):
+        out = await real_rpc(method, args, kwargs)
+        if (kwargs or {}).get("weights_path") == new:
+            shard = Path(new) / "model.safetensors"
+            shard.write_bytes(shard.read_bytes()[:-4] + b"\0\0\0\0")
+        return out
+
+    inner.collective_rpc = rewriting_rpc
+    with pytest.raises(SwapError, match="changed while it loaded") as e:
+        asyncio.run(swapper.swap(new))
+    assert e.value.restored and engine.weights.path == old and inner.loaded == old
