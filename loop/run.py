@@ -68,6 +68,7 @@ def run(cfg: LoopConfig) -> int:
     """Resume the unfinished run in cfg.run_dir, or start one; run its cycles; 0 when all ran."""
     from loop.collect import endpoint
     from loop.configs import flatten, to_dict
+    from loop.gate import ServingFailsOnStack
     from loop.cycle import (Display, Loop, cycle, log_loop_summary, next_weight_version, serving_start,
                             sweep_partial, with_weight_version)
     from loop.speculator import deploys, initial_draft, serve_with_draft
@@ -120,6 +121,9 @@ def run(cfg: LoopConfig) -> int:
                     log_loop_summary(state, cfg.collect.rollout.temperature)
             state.finished = True
             state.save()
+    except ServingFailsOnStack as e:
+        print(f"[loop] stopped: {e}", flush=True)
+        return 3
     except KeyboardInterrupt:
         where = next((f"cycle {c.k}, after {list(c.done)[-1] if c.done else 'nothing'}" for c in state.cycles
                       if not c.finished), "between cycles")

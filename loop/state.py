@@ -32,6 +32,9 @@ class CycleState:
     timings: dict[str, float] = field(default_factory=dict)  # phase -> seconds (the try that finished)
     outcome: str | None = None  # "serving" | "rejected" | "rolled_back" | "swap_refused" | "no_signal"
     reason: str = ""
+    # the promotion's intent (pipelines.promote.intent: from sha -> to sha, aliases as they were),
+    # written before the swap; a rerun reconciles it with the server instead of guessing
+    intent: dict | None = None
 
     @property
     def finished(self) -> bool:

@@ -7,6 +7,13 @@ weights, or is recorded as rejected; and rollback, which puts the `previous` ver
                                     aliases serving (new) / previous (old)
                                     canary failed: swap back, tag rolled_back
 
+A promotion is written down before it happens and carries its precondition: the caller records
+the intent (from sha -> to sha, the aliases as they were) in its state first; the swap sends the
+gated sha and the sha it replaces (the server answers 409 on either mismatch); aliases move by
+compare-and-set against the values the intent saw. A rerun after a kill reconciles the intent
+with `/admin/status` instead of guessing: the candidate already serving is not swapped twice, and
+a failing canary restores the intent's `from`, never what the server happens to serve.
+
 Registry versions carry tags: weight version on the server, parent, dataset, quant format and
 layer plan, KL summary, eval success, stack fingerprint, status. The version's source is the
 checkpoint folder itself (a local registry; a remote one would log the folder as an artifact).
@@ -20,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from pipelines.failpoints import failpoint
 
 ALIASES = ("serving", "previous", "candidate", "rejected")
 
@@ -50,9 +59,12 @@ class AdminClient:
         r.raise_for_status()
         return r.json()
 
-    def swap(self, path: str, mode: str = "drain", draft_path: str | None = None) -> tuple[int, dict]:
-        """Swap the target (and the draft with it, when given) in one pause."""
+    def swap(self, path: str, mode: str = "drain", draft_path: str | None = None, sha: str | None = None,
+             expected_current_sha: str | None = None) -> tuple[int, dict]:
+        """Swap the target (and the draft with it, when given) in one pause; `sha`: the weights
+        expected in `path`, `expected_current_sha`: those expected to serve now (else 409)."""
         body = {"path": path, "mode": mode} | ({"draft_path": draft_path} if draft_path else {})
+        body |= {k: v for k, v in (("checkpoint_sha256", sha), ("expected_current_sha", expected_current_sha)) if v}
         r = httpx.post(self.url + "/admin/weights", headers=self.headers, json=body, timeout=600)
         return r.status_code, r.json()
 
@@ -111,6 +123,23 @@ class Registry:
     def set_alias(self, alias: str, version) -> None:
         self.client.set_registered_model_alias(self.name, alias, str(version))
 
+    def compare_and_set_alias(self, alias: str, expected: str | None, version) -> None:
+        """Move `alias` to `version` only from `expected` (None: unset); already there: nothing to
+        do (a rerun). MLflow has no atomic compare-and-set: this reads, compares, then writes, which
+        is exact for the loop (the one writer of its aliases) and catches a person's move between."""
+        cur = self.alias(alias)
+        now = None if cur is None else str(cur.version)
+        if now == str(version):
+            return
+        if now != (None if expected is None else str(expected)):
+            raise AliasConflict(f"alias {alias!r} of {self.name} is v{now}, not v{expected} as when this promotion "
+                                f"was recorded: someone moved it; not moved to v{version}")
+        self.set_alias(alias, version)
+
+    def ensure_registered(self, path: str, tags: dict):
+        """The newest version whose source is `path`, registered with `tags` if there is none (no alias moves)."""
+        return self.version_of(path) or self.register(path, tags)
+
     def tag(self, version, **tags) -> None:
         for k, v in tags.items():
             self.client.set_model_version_tag(self.name, str(version), k, _tag(v))
@@ -129,6 +158,10 @@ class Registry:
         return self.client.get_model_version(self.name, v.version)
 
 
+class AliasConflict(RuntimeError):
+    """An alias is not where a promotion's intent saw it."""
+
+
 def _tag(v) -> str:
     return v if isinstance(v, str) else json.dumps(v, default=float)[:5000]
 
@@ -145,33 +178,65 @@ def canary(server: AdminClient, seqs, expected: list[list[float]]) -> dict:
             "tokens": len(deltas), "finite": all(math.isfinite(d) for d in deltas)}
 
 
+def intent(registry: Registry, server: AdminClient, version, sha: str) -> dict:
+    """What a promotion of `version` (weights `sha`) will change, read before it changes anything:
+    the caller writes it down, then calls `promote` with it (also after a kill)."""
+    now = server.status()
+    old = registry.version_of(now["path"])
+    aliases = {a: (str(v.version) if (v := registry.alias(a)) is not None else None) for a in ("serving", "previous")}
+    return {"from_path": now["path"], "from_sha": now["checkpoint_sha256"], "from_draft": now.get("draft_path"),
+            "from_version": None if old is None else str(old.version), "to_path": version.source, "to_sha": sha,
+            "to_version": str(version.version), "aliases": aliases}
+
+
 def promote(registry: Registry, server: AdminClient, version, path: str, cfg: PromoteConfig,
-            canary_seqs, expected: list[list[float]], draft_path: str | None = None) -> Outcome:
+            canary_seqs, expected: list[list[float]], draft_path: str | None = None, plan: dict | None = None
+            ) -> Outcome:
     """Swap `version` (which passed the gate) into the server, with its draft when given; keep it
-    only if the canary agrees (else the old target and draft go back)."""
+    only if the canary agrees (else the intent's old target and draft go back). `plan`: the
+    recorded `intent(...)` (None: read now; a caller that can be killed records it first)."""
     t0 = time.perf_counter()
-    before = server.status()
-    old = registry.version_of(before["path"])
-    code, body = server.swap(path, cfg.swap_mode, draft_path)
-    if code != 200:
-        reason = body.get("error", {}).get("message", str(body))
+    plan = plan or intent(registry, server, version, _sha_of(path))
+    now = server.status()
+    if now["checkpoint_sha256"] == plan["to_sha"]:  # a rerun: the swap happened before the kill
+        body = {"weight_version": now["weight_version"], "checkpoint_sha256": now["checkpoint_sha256"],
+                "path": now["path"], "resumed": True}
+    elif now["checkpoint_sha256"] != plan["from_sha"]:
+        reason = (f"the server serves {now['checkpoint_sha256'][:12]} ({now['path']}), neither the version this "
+                  f"promotion replaces ({plan['from_sha'][:12]}) nor the candidate: not swapped")
         registry.tag(version.version, status="swap_refused", reason=reason)
-        return Outcome("swap_refused", version.version, f"the server refused the swap ({code}): {reason}",
-                       seconds=time.perf_counter() - t0)
+        return Outcome("swap_refused", version.version, reason, seconds=time.perf_counter() - t0)
+    else:
+        code, body = server.swap(path, cfg.swap_mode, draft_path, sha=plan["to_sha"],
+                                 expected_current_sha=plan["from_sha"])
+        if code != 200:
+            reason = body.get("error", {}).get("message", str(body))
+            registry.tag(version.version, status="swap_refused", reason=reason)
+            return Outcome("swap_refused", version.version, f"the server refused the swap ({code}): {reason}",
+                           seconds=time.perf_counter() - t0)
+    failpoint("promote:after_swap")
     check = canary(server, canary_seqs, expected)
     if not (check["finite"] and check["mean_abs_dlogprob"] <= cfg.canary_tolerance):
-        back, body_back = server.swap(before["path"], cfg.swap_mode, before.get("draft_path") if draft_path else None)
+        back, body_back = server.swap(plan["from_path"], cfg.swap_mode, plan["from_draft"] if draft_path else None,
+                                      sha=plan["from_sha"], expected_current_sha=plan["to_sha"])
         reason = (f"canary after the swap: mean |Δ logprob| {check['mean_abs_dlogprob']:.4g} against the gate's "
                   f"engine (tolerance {cfg.canary_tolerance:g}); swapped back ({back})")
         registry.tag(version.version, status="rolled_back", reason=reason, canary=check)
         return Outcome("rolled_back", version.version, reason, body, check, time.perf_counter() - t0)
-    if old is not None:
-        registry.set_alias("previous", old.version)
-        registry.tag(old.version, status="previous")
-    registry.set_alias("serving", version.version)
+    if plan["from_version"] is not None and plan["from_version"] != str(version.version):
+        registry.compare_and_set_alias("previous", plan["aliases"]["previous"], plan["from_version"])
+        registry.tag(plan["from_version"], status="previous")
+    registry.compare_and_set_alias("serving", plan["aliases"]["serving"], version.version)
+    failpoint("promote:after_alias")
     registry.tag(version.version, status="serving", server_weight_version=body["weight_version"],
                  swap=body, canary=check)
     return Outcome("serving", version.version, "", body, check, time.perf_counter() - t0)
+
+
+def _sha_of(path: str) -> str:
+    from pipelines.artifacts import checkpoint_sha256
+
+    return checkpoint_sha256(path)
 
 
 def reject(registry: Registry, version, reasons: list[str]) -> Outcome:
@@ -186,12 +251,12 @@ def rollback(registry: Registry, server: AdminClient, mode: str = "drain") -> Ou
     prev, cur = registry.alias("previous"), registry.alias("serving")
     if prev is None:
         raise ValueError(f"registered model {registry.name} has no `previous` version to roll back to")
-    code, body = server.swap(prev.source, mode)
+    code, body = server.swap(prev.source, mode, sha=prev.tags.get("checkpoint_sha256") or None)
     if code != 200:
         raise RuntimeError(f"the server refused to swap back to {prev.source} ({code}): {body}")
-    registry.set_alias("serving", prev.version)
+    registry.compare_and_set_alias("serving", None if cur is None else cur.version, prev.version)
     registry.tag(prev.version, status="serving", server_weight_version=body["weight_version"])
     if cur is not None and cur.version != prev.version:
-        registry.set_alias("previous", cur.version)
+        registry.compare_and_set_alias("previous", prev.version, cur.version)
         registry.tag(cur.version, status="rolled_back", reason="loop rollback")
     return Outcome("serving", prev.version, "rolled back", body, seconds=time.perf_counter() - t0)

@@ -113,3 +113,36 @@ def test_ranks_losses_sum_to_the_single_rank_loss():
 def test_config_names_the_bad_field(change, key):
     with pytest.raises(ValueError, match=key):
         RLConfig(**change)
+
+
+def test_grpo_advantages_and_is_weighted_loss_by_hand_on_two_groups_of_three():
+    """Two GRPO groups of 3 with rewards (1, 0, 0) and (1, 1, 0); the reward sits on each row's last
+    sampled token (trainers/rl/data.py). By hand: mean 1/3 and 2/3, std (ddof 1) sqrt(1/3), so the
+    advantages are +-2/sqrt(3) and +-1/sqrt(3), on every sampled token of the row. At ratio 1 the
+    vanilla loss is -sum(A * w) / tokens, w = min(exp(proximal - behaviour), threshold)."""
+    import math
+
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+
+    mask = torch.tensor([[1, 1, 0], [0, 1, 1], [1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 1]], dtype=torch.float32)
+    rewards = torch.tensor([1.0, 0, 0, 1, 1, 0])
+    last = (mask * torch.arange(3)).argmax(dim=1)
+    token_rewards = torch.zeros_like(mask)
+    token_rewards[torch.arange(6), last] = rewards
+    adv, _ = get_adv_estimator_fn("grpo")(token_level_rewards=token_rewards, response_mask=mask,
+                                         index=np.array(["a"] * 3 + ["b"] * 3, dtype=object), norm_adv_by_std_in_grpo=True)
+    s = 1 / math.sqrt(3)
+    by_hand = torch.tensor([2 * s, -s, -s, s, s, -2 * s])[:, None] * mask
+    assert torch.allclose(adv, by_hand, atol=1e-5)
+
+    behaviour = torch.full((6, 3), -1.0) * mask
+    proximal = behaviour + torch.tensor([0.0, 0.5, 1.0])  # IS ratios 1, e^0.5 = 1.65, e^1 = 2.72 -> 2.0
+    weights = torch.tensor([1.0, math.exp(0.5), 2.0])
+    cfg = RLConfig(rollout_is_threshold=2.0)
+    mb = Minibatch(torch.zeros((6, 4), dtype=torch.long), torch.ones((6, 4), dtype=torch.long), mask, behaviour, adv,
+                   torch.arange(6))
+    logprobs = proximal.clone().requires_grad_(True)  # ratio 1: nothing clipped
+    out = rl_loss(logprobs, proximal, mb, cfg, global_batch_info(cfg, int(mask.sum()), 6, 1))
+    want = -(by_hand * weights * mask).sum() / mask.sum()
+    assert float(out.loss) == pytest.approx(float(want), abs=1e-6)
+    assert out.metrics["is/max"] == pytest.approx(2.0)

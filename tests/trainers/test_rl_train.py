@@ -51,6 +51,17 @@ def test_two_steps_move_every_parameter_and_lower_the_loss(trained, tiny_base):
     assert m.history[1]["mismatch/train_vs_behaviour"] > first["mismatch/train_vs_behaviour"]  # it moved off
 
 
+def test_on_policy_data_matches_the_training_forward_at_step_zero(tiny_base, rl_dataset, tmp_path):
+    """The dataset's episodes were sampled by vLLM from this very model (float32, T=1): before any
+    update the trainer's log-probs of the sampled tokens are the logged ones. An off-by-one between
+    the logged positions and the training forward (or logits at another temperature) is ~1 nat."""
+    seen = []
+    job = TrainJob(tiny_base.path, rl_dataset.path, str(tmp_path / "ckpt"),
+                   RLConfig(**{**FAST, "epochs": 1, "qat": False}), None)
+    train(job, report=lambda step, metrics: seen.append(metrics))
+    assert seen[0]["mismatch/train_vs_behaviour"] < 1e-3, seen[0]
+
+
 def test_the_checkpoint_is_a_folder_with_its_manifest(trained, tiny_base, rl_dataset):
     m, _ = trained
     folder = Path(m.path)

@@ -19,8 +19,8 @@ class ServerProc(ServerProcess):
     """`loop serve conf/tiny.yaml ...` in a subprocess (rollout/server/process.py), with the tests' admin token."""
 
     def __init__(self, model: str, trace_root: Path, log_path: Path, overrides: list[str] = (), env: dict | None = None):
-        # the tests swap in folders they make under the temp dir
-        roots = f"serve.weights_roots=[{tempfile.gettempdir()}]"
+        # the tests swap in folders they make under the temp dir, and the session's base (the repo's .cache)
+        roots = f"serve.weights_roots=[{tempfile.gettempdir()},{REPO / '.cache'}]"
         super().__init__(REPO / "conf" / "tiny.yaml", model, trace_root, log_path, [roots, *overrides], env, ADMIN_TOKEN)
 
     def traces(self) -> list[dict]:

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from srv_util import PROMPTS, StreamingLoad, chat_messages, perturbed_copy, sse_events
+from srv_util import PROMPTS, StreamingLoad, chat_messages, perturbed_copy, sse_events, write_test_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -78,11 +78,13 @@ def test_bad_checkpoints_are_refused_or_restored(srv_main, tiny_base, tiny_token
     cfg = json.loads((wrong_arch / "config.json").read_text())
     cfg["num_hidden_layers"] += 1
     (wrong_arch / "config.json").write_text(json.dumps(cfg))
+    write_test_manifest(wrong_arch)
     r = srv_main.admin("POST", "/admin/weights", json={"path": str(wrong_arch)})
     assert r.status_code == 409 and "num_hidden_layers" in r.json()["error"]["message"]
 
     wrong_tok = perturbed_copy(tiny_base.path, tmp / "tok")
     (wrong_tok / "tokenizer.json").write_text((wrong_tok / "tokenizer.json").read_text().replace('"<|im_end|>"', '"<|end|>"', 1))
+    write_test_manifest(wrong_tok)
     r = srv_main.admin("POST", "/admin/weights", json={"path": str(wrong_tok)})
     assert r.status_code == 409 and "tokenizer" in r.json()["error"]["message"]
 
@@ -101,6 +103,7 @@ def test_bad_checkpoints_are_refused_or_restored(srv_main, tiny_base, tiny_token
     tensors = load_file(partial / "model.safetensors")
     tensors.pop(next(k for k in tensors if k.endswith("mlp.down_proj.weight")))
     save_file(tensors, partial / "model.safetensors", metadata={"format": "pt"})
+    write_test_manifest(partial)
     r = srv_main.admin("POST", "/admin/weights", json={"path": str(partial)})
     assert r.status_code in (400, 422), r.text
     if r.status_code == 422:

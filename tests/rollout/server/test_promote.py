@@ -204,6 +204,17 @@ def test_a_stack_change_gates_the_serving_version_again(promo, gate_dataset):
                                                        "device_name": ["another CPU", status["stack"]["device_name"]]}
     assert regate_on_stack_change(cfg, registry, registry.alias("serving"), status, seqs, root / "run") is None
 
+    # a serving version that fails on the new stack stops the loop (on c8fb06b: a tag, and training went on)
+    import dataclasses
+
+    from loop.gate import ServingFailsOnStack
+
+    strict = dataclasses.replace(cfg, validate=dataclasses.replace(cfg.validate, max_quant_kl_mean=1e-9))
+    registry.tag(version.version, stack={**status["stack"], "kernel_build": "_C_OLD"})
+    with pytest.raises(ServingFailsOnStack, match="fails the gate on this stack .*kernel_build: _C_OLD"):
+        regate_on_stack_change(strict, registry, registry.alias("serving"), status, seqs, root / "run")
+    assert registry.client.get_model_version(registry.name, version.version).tags["regate"] == "fail"
+
 
 def test_the_swap_never_accepts_a_nan_candidate(promo, plant):
     plant_damage, _, _ = plant
