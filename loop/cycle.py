@@ -99,6 +99,7 @@ def cycle(lp: Loop, k: int) -> CycleState:
     from loop.speculator import SpeculatorStep, speculator_step
     from loop.train import train_phase
     from pipelines.promote import AdminClient, Outcome
+    from rollout.server.swap import layer_plan
     from pipelines.traces_to_dataset import load_manifest
     from trainers.rl.data import NoSignal
     from trainers.rl.manifest import PolicyCheckpoint
@@ -133,7 +134,9 @@ def cycle(lp: Loop, k: int) -> CycleState:
         return finish(lp, c, "no_signal", f"no episode of the window was served by the parent's weights "
                       f"({serving['checkpoint_sha256'][:12]}, {serving['path']}): not trained on")
     try:
-        ckpt = _phase(lp, c, "train", lambda: train_phase(cfg, parent, dataset, run_dir), PolicyCheckpoint.from_dict)
+        plan = layer_plan(serving["path"]) or ()  # what the server keeps in full precision, QAT too
+        ckpt = _phase(lp, c, "train", lambda: train_phase(cfg, parent, dataset, run_dir, plan),
+                      PolicyCheckpoint.from_dict)
     except NoSignal as e:
         return finish(lp, c, "no_signal", f"nothing to train on: {e}")
     cand = _phase(lp, c, "requantize", lambda: requantize_phase(
@@ -176,14 +179,20 @@ def serving_parent(lp: Loop, status: dict) -> str:
     from loop.gate import fp_of
     from rollout.server.tracing import quant_format
 
-    if Path(status["path"]).resolve() == Path(lp.state.serving["path"]).resolve():
-        return lp.state.serving["fp"]
+    def same(a, b) -> bool:
+        return a is not None and b is not None and Path(a).resolve() == Path(b).resolve()
+
+    state = lp.state.serving
+    if same(status["path"], state["path"]):
+        return state["fp"]
     fp = fp_of(status["path"]) or (status["path"] if quant_format(status["path"]) == "none" else None)
     if fp is None:
         raise RuntimeError(f"the server serves {status['path']}, whose full-precision weights are unknown (no "
                            "manifest parent): the loop cannot train what serves")
+    if same(fp, state["fp"]):  # the served (quantized) copy of the state's policy
+        return fp
     print(f"[loop] the server serves {status['path']} (weight version {status['weight_version']}), not "
-          f"{lp.state.serving['path']} as the state said (a rollback, a promotion killed before it was "
+          f"{state['path']} as the state said (a rollback, a promotion killed before it was "
           f"recorded, or another server): training from {fp}", flush=True)
     lp.state.serving = {"path": status["path"], "fp": fp, "version": None}
     lp.state.save()
@@ -198,7 +207,7 @@ def window_served_by(cfg, dataset, sha: str) -> bool:
     from rollout.traces import read_traces
 
     t = read_traces(cfg.serve.trace_root, columns=["weight_version", "checkpoint_sha256"])
-    t = t.filter(pc.is_in(t["weight_version"], value=pa.array(list(dataset.weight_versions), pa.int64())))
+    t = t.filter(pc.is_in(t["weight_version"], value_set=pa.array(list(dataset.weight_versions), pa.int64())))
     return sha in set(t["checkpoint_sha256"].to_pylist())
 
 

@@ -34,8 +34,9 @@ def qat_spec(cfg) -> tuple[str, dict | None]:
     return fmt, None if spec is None else spec.to_dict()
 
 
-def train_phase(cfg, parent: str, dataset, run_dir: Path):
-    """Train `parent` on `dataset` (an RLDatasetManifest) into <run_dir>/checkpoints/<stamp>-<id>."""
+def train_phase(cfg, parent: str, dataset, run_dir: Path, full_precision: tuple[str, ...] = ()):
+    """Train `parent` on `dataset` (an RLDatasetManifest) into <run_dir>/checkpoints/<stamp>-<id>;
+    `full_precision`: the linear layers the serving layer plan keeps unquantized (QAT leaves them so)."""
     import mlflow
 
     from loop.tracking import log_curve, start_run
@@ -51,8 +52,11 @@ def train_phase(cfg, parent: str, dataset, run_dir: Path):
     load_episodes(check_dataset(dataset.path), rl.adv_estimator, rl.norm_adv_by_std, rl.min_group_size)  # NoSignal
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = Path(run_dir) / "checkpoints" / f"{stamp}-{uuid.uuid4().hex[:6]}"
-    job = TrainJob(parent=str(parent), dataset=dataset.path, out_dir=str(out), rl=rl, spec=spec)
+    full_precision = tuple(n for n in full_precision if n != "lm_head" and not n.endswith(".lm_head"))
+    job = TrainJob(parent=str(parent), dataset=dataset.path, out_dir=str(out), rl=rl, spec=spec,
+                   full_precision=full_precision)
     with start_run(cfg, "train", tags={"phase": "train", "serving_format": fmt, "qat": str(rl.qat),
+                                       "qat_full_precision": ",".join(full_precision) or "none",
                                        "dataset_path": dataset.path, "parent": str(parent)}):
         client, run_id = mlflow.tracking.MlflowClient(), mlflow.active_run().info.run_id
 

@@ -62,6 +62,17 @@ def test_on_policy_data_matches_the_training_forward_at_step_zero(tiny_base, rl_
     assert seen[0]["mismatch/train_vs_behaviour"] < 1e-3, seen[0]
 
 
+def test_qat_leaves_the_layers_the_serving_plan_keeps_in_full_precision(tiny_base):
+    from trainers.qat import FakeQuantLinear
+    from trainers.rl.train import prepare_policy
+
+    kept = "model.layers.0.mlp.down_proj"
+    model = prepare_policy(tiny_base.path, RLConfig(**FAST), SPEC.to_dict(), (kept,))
+    fake = {n for n, m in model.named_modules() if isinstance(m, FakeQuantLinear)}
+    assert kept not in fake and type(model.get_submodule(kept)) is torch.nn.Linear
+    assert "model.layers.0.mlp.up_proj" in fake and "model.layers.1.mlp.down_proj" in fake
+
+
 def test_the_checkpoint_is_a_folder_with_its_manifest(trained, tiny_base, rl_dataset):
     m, _ = trained
     folder = Path(m.path)

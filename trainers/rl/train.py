@@ -47,6 +47,9 @@ class TrainJob:
     out_dir: str  # the checkpoint folder to create (must not exist)
     rl: RLConfig
     spec: dict | None = None  # the serving QuantSpec (to_dict()); QAT trains through it when rl.qat
+    # linear layers the serving layer plan keeps in full precision: QAT leaves them unquantized, as
+    # the server runs them (config.json `ignore` of the served folder; lm_head is never quantized)
+    full_precision: tuple[str, ...] = ()
 
     def absolute(self) -> "TrainJob":
         """The job with absolute paths: a Ray worker runs in a directory of its own."""
@@ -63,8 +66,9 @@ class TrainJob:
                              "needs trainer.qat=false)")
 
 
-def prepare_policy(parent: str, rl: RLConfig, spec: dict | None):
-    """The model to train: the parent's weights in `rl.dtype`, QAT-prepared with `spec` when `rl.qat`."""
+def prepare_policy(parent: str, rl: RLConfig, spec: dict | None, full_precision: tuple[str, ...] = ()):
+    """The model to train: the parent's weights in `rl.dtype`, QAT-prepared with `spec` when `rl.qat`
+    (all linear layers but lm_head and `full_precision`)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(parent, dtype=getattr(torch, rl.dtype))
@@ -72,7 +76,7 @@ def prepare_policy(parent: str, rl: RLConfig, spec: dict | None):
         from kernels import QuantSpec
         from trainers.qat import quantize_
 
-        quantize_(model, QuantSpec.from_dict(spec), "prepare")
+        quantize_(model, QuantSpec.from_dict(spec), "prepare", full_precision=full_precision)
     return model
 
 
@@ -87,11 +91,11 @@ def train(job: TrainJob, report: Callable[[int, dict], None] = lambda step, m: N
     torch.manual_seed(rl.seed)
     dataset = check_dataset(job.dataset)
     episodes = load_episodes(dataset, rl.adv_estimator, rl.norm_adv_by_std, rl.min_group_size)
-    model = prepare_policy(job.parent, rl, job.spec).to(device)
+    model = prepare_policy(job.parent, rl, job.spec, job.full_precision).to(device)
     model.train()
     ref = None
     if rl.kl_coef > 0:
-        ref = prepare_policy(job.parent, rl, job.spec).to(device).eval().requires_grad_(False)
+        ref = prepare_policy(job.parent, rl, job.spec, job.full_precision).to(device).eval().requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=rl.lr, betas=rl.betas, weight_decay=rl.weight_decay)
     batches = minibatch_plan(episodes.group_ids, rl, world)
