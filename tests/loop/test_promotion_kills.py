@@ -12,7 +12,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
