@@ -7,14 +7,15 @@ An episode is two real assistant turns in OpenAI chat format:
     tool:      "449"
     assistant: "Answer: 449"
 
-Problems are generated from templates with a seeded RNG; the train and eval splits draw from
-disjoint seeds. Every answer is an integer (divisions are exact). `reward` is exact: 1.0 only for
+Problems are generated from templates with a seeded RNG; the train and eval splits partition
+the problem texts by hash (`held_out`), so no eval problem is ever trained on. Every answer is an integer (divisions are exact). `reward` is exact: 1.0 only for
 a well-formed calculator call followed by the correct final answer; a malformed call scores 0.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import operator
 import random
@@ -90,15 +91,26 @@ def _draw(rng: random.Random, template: tuple[str, str]) -> tuple[str, str]:
     return text.format(**fields), expr.format(**fields)
 
 
-def make_problems(split: str, n: int, seed: int = 0) -> list[Problem]:
-    """`n` problems of `split` ("train" or "eval"); the splits never share an RNG stream."""
+HELD_OUT_BUCKETS = 10  # 1 in 10 problem texts is held out: the eval pool, never a train problem
+
+
+def held_out(question: str) -> bool:
+    """Whether a problem's text is in the eval pool (a hash of the text: the same on every machine)."""
+    return int(hashlib.sha256(question.encode()).hexdigest()[:8], 16) % HELD_OUT_BUCKETS == 0
+
+
+def make_problems(split: str, n: int, seed: int | str = 0) -> list[Problem]:
+    """`n` problems of `split` ("train" or "eval"), drawn with `seed`. The splits partition the
+    problem texts (`held_out`): no eval problem is ever a train problem, whatever the seeds; each
+    seed draws its own sample of its split (the gate draws fresh eval problems each cycle)."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     rng = random.Random(f"{split}:{seed}")
     out = []
-    for i in range(n):
+    while len(out) < n:
         question, expr = _draw(rng, TEMPLATES[rng.randrange(len(TEMPLATES))])
-        out.append(Problem(f"{split}-{seed}-{i}", question, expr, int(calculator(expr))))
+        if held_out(question) == (split == "eval"):
+            out.append(Problem(f"{split}-{seed}-{len(out)}", question, expr, int(calculator(expr))))
     return out
 
 
