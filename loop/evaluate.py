@@ -17,37 +17,62 @@ import sys
 import time
 
 
-def eval_success(llm, tokenizer, task, temperature: float) -> float:
-    """Success on the task's eval split (`task.num_eval_problems`, `task.seed`) through `llm`."""
+def eval_outcomes(llm, tokenizer, task, temperature: float, seed: int | str | None = None) -> list[float]:
+    """Each eval problem's reward through `llm` (`task.num_eval_problems` of the eval split drawn
+    with `seed`, default `task.seed`), in problem order."""
     from rollout.engine import vllm_generate
-    from rollout.episode import run_episodes, success_rate
+    from rollout.episode import run_episodes
     from rollout.task import make_problems
 
-    problems = make_problems("eval", task.num_eval_problems, task.seed)
-    return success_rate(run_episodes(problems, tokenizer, vllm_generate(llm), temperature=temperature))
+    problems = make_problems("eval", task.num_eval_problems, task.seed if seed is None else seed)
+    return [float(e.reward) for e in run_episodes(problems, tokenizer, vllm_generate(llm), temperature=temperature)]
+
+
+def eval_success(llm, tokenizer, task, temperature: float, seed: int | str | None = None) -> float:
+    """Success on the task's eval split (`task.num_eval_problems`, `seed` else `task.seed`) through `llm`."""
+    outcomes = eval_outcomes(llm, tokenizer, task, temperature, seed)
+    return sum(outcomes) / max(1, len(outcomes))
 
 
 def evaluate_here(cfg, model: str, quant: str, temperatures: tuple[float, ...] = (1.0,),
-                  logprobs: tuple[str, str, int] | None = None) -> dict:
-    """In this process: {"fmt", "served_path", "T=<t>": success, "seconds", "num_problems", ...}.
-    `logprobs` (sequences JSON, output .pt, k): also the engine's teacher-forced log-probs of the
-    sequences at their scored positions (rollout.engine.prompt_logprobs), saved to the .pt file."""
+                  logprobs: tuple[str, str, int] | None = None, paired: str | None = None,
+                  eval_seed: str | None = None) -> dict:
+    """In this process: {"fmt", "served_path", "T=<t>": success, "outcomes": {"T=<t>": [reward per
+    problem]}, "seconds", "num_problems", ...}. `logprobs` (sequences JSON, output .pt, k): also the
+    engine's teacher-forced log-probs of the sequences at their scored positions
+    (rollout.engine.prompt_logprobs), saved to the .pt file. `paired`: a second model (the serving
+    version) played on the very same problems at the same temperatures after the first, in this
+    process, under "paired" (the gate's paired test). `eval_seed`: which eval problems (default
+    `task.seed`; the gate draws fresh ones each cycle)."""
+    import gc
+
     from transformers import AutoTokenizer
 
     from loop.serving import engine_for, resolve
     from rollout.engine import make_llm
 
     cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, quant=quant))
-    served = resolve(cfg, model)
     t0 = time.perf_counter()
-    llm = make_llm(served.path, engine_for(cfg, served), **({"max_logprobs": logprobs[2]} if logprobs else {}))
-    out = {"model": str(model), "fmt": served.fmt, "served_path": served.path, "dtype": served.dtype,
-           "num_problems": cfg.task.num_eval_problems, "kernel_build": served.caps.kernel_build}
-    tokenizer = AutoTokenizer.from_pretrained(served.path)
-    for t in temperatures:
-        out[f"T={t}"] = eval_success(llm, tokenizer, cfg.task, t)
+
+    def play(path: str, extra: dict) -> tuple[dict, object]:
+        served = resolve(cfg, path)
+        llm = make_llm(served.path, engine_for(cfg, served), **extra)
+        tokenizer = AutoTokenizer.from_pretrained(served.path)
+        res = {"model": str(path), "fmt": served.fmt, "served_path": served.path, "dtype": served.dtype,
+               "kernel_build": served.caps.kernel_build, "outcomes": {}}
+        for t in temperatures:
+            res["outcomes"][f"T={t}"] = eval_outcomes(llm, tokenizer, cfg.task, t, eval_seed)
+            res[f"T={t}"] = sum(res["outcomes"][f"T={t}"]) / cfg.task.num_eval_problems
+        return res, llm
+
+    out, llm = play(model, {"max_logprobs": logprobs[2]} if logprobs else {})
+    out |= {"num_problems": cfg.task.num_eval_problems, "eval_seed": eval_seed}
     if logprobs:
-        _save_logprobs(llm, served.path, *logprobs)
+        _save_logprobs(llm, out["served_path"], *logprobs)
+    if paired:
+        del llm  # one engine at a time in this process
+        gc.collect()
+        out["paired"], llm = play(paired, {})
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
 
@@ -65,7 +90,8 @@ def _save_logprobs(llm, path: str, seqs_json: str, out_pt: str, k: int) -> None:
 
 
 def served_success(config: str, model: str, quant: str, overrides: list[str] = (),
-                   temperatures: tuple[float, ...] = (1.0,), logprobs: tuple[str, str, int] | None = None) -> dict:
+                   temperatures: tuple[float, ...] = (1.0,), logprobs: tuple[str, str, int] | None = None,
+                   paired: str | None = None, eval_seed: str | None = None) -> dict:
     """`evaluate_here` in a child process (its engine goes when it exits). The child runs vLLM's
     engine core and worker in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=0): an offline
     evaluation needs no separate processes, and the engine starts in ~7 s instead of ~25 s here."""
@@ -73,6 +99,10 @@ def served_success(config: str, model: str, quant: str, overrides: list[str] = (
            "--temperature", *map(str, temperatures), "--json"]
     if logprobs:
         cmd += ["--logprobs", logprobs[0], logprobs[1], "--logprobs-k", str(logprobs[2])]
+    if paired:
+        cmd += ["--paired", str(paired)]
+    if eval_seed is not None:
+        cmd += ["--eval-seed", str(eval_seed)]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -97,11 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logprobs", nargs=2, metavar=("SEQS_JSON", "OUT_PT"),
                    help="also save the engine's prompt log-probs of {ids, scored} sequences")
     p.add_argument("--logprobs-k", type=int, default=20)
+    p.add_argument("--paired", help="a second model played on the same problems after the first (the gate's test)")
+    p.add_argument("--eval-seed", help="which eval problems (default: task.seed)")
     a = p.parse_intermixed_args(argv)
     try:
         cfg = load_config(a.config, a.overrides)
         result = evaluate_here(cfg, a.model, a.quant, tuple(a.temperature),
-                               (*a.logprobs, a.logprobs_k) if a.logprobs else None)
+                               (*a.logprobs, a.logprobs_k) if a.logprobs else None, a.paired, a.eval_seed)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -130,8 +130,11 @@ def heldout(cfg, dataset_path: str):
         raise ValueError(f"{e}: the gate needs held-out episodes (dataset.heldout_fraction > 0)") from None
 
 
-def engine_side(cfg, folder: str, seqs, vocab_size: int, serving_success: float | None, run_dir: Path):
-    """The candidate on vLLM in a child process: prompt log-probs of `seqs` and eval success."""
+def engine_side(cfg, folder: str, seqs, vocab_size: int, run_dir: Path, paired: str | None = None,
+                eval_seed: str | None = None, best: float | None = None):
+    """The candidate on vLLM in a child process: prompt log-probs of `seqs` and its eval outcomes on
+    the eval problems `eval_seed` draws; with `paired` (the serving folder), the serving version's
+    outcomes on the very same problems, played after it in the same child (the paired test)."""
     import torch
 
     from loop.evaluate import served_success
@@ -146,11 +149,20 @@ def engine_side(cfg, folder: str, seqs, vocab_size: int, serving_success: float 
         scored = [[i for i in range(len(s) - 1) if m[i + 1]] for s, m in zip(seqs.ids, seqs.sampled)]
         (Path(d) / "seqs.json").write_text(json.dumps({"ids": [list(s) for s in seqs.ids], "scored": scored}))
         res = retry_once(lambda: served_success(str(logs / "gate.yaml"), folder, cfg.serve.quant, temperatures=(t,),
-                                                logprobs=(str(Path(d) / "seqs.json"), str(Path(d) / "lp.pt"), k)),
+                                                logprobs=(str(Path(d) / "seqs.json"), str(Path(d) / "lp.pt"), k),
+                                                paired=paired, eval_seed=eval_seed),
                          f"the gate's engine on {folder}")
         lp = torch.load(Path(d) / "lp.pt")["logprobs"]
     source = f"vLLM {res['kernel_build']} {res['fmt']} in {res['dtype']}, prompt log-probs top-{k}"
-    return EngineSide(lp, res[f"T={t}"], serving_success, t, res["num_problems"], source, res["seconds"]), res
+    outcomes = (res["outcomes"][f"T={t}"], res["paired"]["outcomes"][f"T={t}"]) if paired else None
+    return EngineSide(lp, res[f"T={t}"], res["paired"][f"T={t}"] if paired else None, t, res["num_problems"], source,
+                      res["seconds"], outcomes, best, eval_seed), res
+
+
+def gate_eval_seed(cfg, k: int | str) -> str:
+    """The eval problems the gate of cycle `k` plays: fresh each cycle, never `task.seed`'s (which
+    `loop eval` reports on, so the number a user reads was never selected on)."""
+    return f"gate-{cfg.task.seed}-{k}"
 
 
 def retry_once(fn, what: str):
@@ -164,34 +176,12 @@ def retry_once(fn, what: str):
         return fn()
 
 
-def success_key(cfg, stack: dict) -> str:
-    """The registry tag of an eval success: its temperature, problems and the stack it ran on."""
-    return (f"eval_success_T{cfg.collect.rollout.temperature}_n{cfg.task.num_eval_problems}_seed{cfg.task.seed}"
-            f"_stack{stack_key(stack)}")
-
-
-def serving_success(cfg, registry, version, folder: str, run_dir: Path, stack: dict) -> float | None:
-    """The serving version's eval success at the serving temperature: its registry tag, else
-    measured once on vLLM (a child engine) and tagged."""
-    from loop.evaluate import served_success
-
-    t = cfg.collect.rollout.temperature
-    key = success_key(cfg, stack)
-    if version is not None and key in version.tags:
-        return float(version.tags[key])
-    logs = Path(run_dir) / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    (logs / "gate.yaml").write_text(to_yaml(cfg))
-    value = retry_once(lambda: served_success(str(logs / "gate.yaml"), folder, cfg.serve.quant, temperatures=(t,)),
-                       f"the serving version's evaluation on {folder}")[f"T={t}"]
-    if version is not None:
-        registry.tag(version.version, **{key: value})
-    return value
-
-
-def gate(cfg, candidate: str, fp: str | None, serving: str, seqs, run_dir: Path, serving_success_, out_dir: Path):
-    """The whole gate: checks and twin KL, then (if those pass) the engine stage, which compares
-    with `serving_success_()` (called only then). Returns the KLGate."""
+def gate(cfg, candidate: str, fp: str | None, serving: str, seqs, run_dir: Path, out_dir: Path,
+         eval_seed: str | None = None, best: float | None = None, paired: bool = True):
+    """The whole gate: checks and twin KL, then (if those pass) the engine stage: the candidate's
+    served log-probs and, with `paired`, the paired success test against `serving` on the eval
+    problems `eval_seed` draws, with `best` (the best success a version served so far) as a
+    floor. Returns the KLGate."""
     from rollout.capabilities import detect, serving_format
     from rollout.server.tracing import quant_format, stack_fingerprint
     from pipelines.validate import KLGate, write_report
@@ -203,7 +193,7 @@ def gate(cfg, candidate: str, fp: str | None, serving: str, seqs, run_dir: Path,
 
         vocab = AutoConfig.from_pretrained(candidate).vocab_size
         try:
-            engine, _ = engine_side(cfg, candidate, seqs, vocab, serving_success_(), run_dir)
+            engine, _ = engine_side(cfg, candidate, seqs, vocab, run_dir, serving if paired else None, eval_seed, best)
         except RuntimeError as e:  # the engine (or the serving version's evaluation) died: not a pass
             report.passed, report.stage = False, "engine"
             report.reasons.append(f"engine stage failed: {str(e)[-600:]}")
@@ -256,9 +246,11 @@ def validate_phase(cfg, cand: Candidate, ep, run_dir: Path, tags: dict | None = 
     regate_on_stack_change(cfg, registry, serving_v, status, seqs, run_dir)
     with start_run(cfg, "validate", tags={"phase": "validate", "candidate": cand.path, "serving": status["path"],
                                           "serving_version": serving_v.version}):
-        g = gate(cfg, cand.path, cand.fp, status["path"], seqs, run_dir,
-                 lambda: serving_success(cfg, registry, serving_v, status["path"], run_dir, status["stack"]),
-                 run_dir / "gates" / Path(cand.path).name)
+        k = (tags or {}).get("loop_cycle", f"manual-{int(time.time())}")
+        best = max((float(v.tags["promoted_success"]) for v in registry.client.search_model_versions(
+            f"name='{registry.name}'") if "promoted_success" in v.tags), default=None)
+        g = gate(cfg, cand.path, cand.fp, status["path"], seqs, run_dir, run_dir / "gates" / Path(cand.path).name,
+                 eval_seed=gate_eval_seed(cfg, k), best=best)
         r = g.report
         log_report(r)
         mlflow.log_artifacts(str(run_dir / "gates" / Path(cand.path).name), artifact_path="gate")
@@ -267,7 +259,7 @@ def validate_phase(cfg, cand: Candidate, ep, run_dir: Path, tags: dict | None = 
             "parent": cand.parent, "dataset": cand.dataset, "format": cand.fmt, "stack": r.stack,
             "plan_full_precision": cand.plan.full_precision if cand.plan else [], "gate": "pass" if r.passed else "fail",
             "kl_quant": r.quant.get("kl", {}), "kl_drift": r.drift.get("kl", {}), "status": "candidate",
-            success_key(cfg, status["stack"]): r.eval.get("candidate_success", float("nan")), "fp_path": cand.fp or "",
+            "gate_success": r.eval.get("candidate_success", float("nan")), "gate_eval": r.eval, "fp_path": cand.fp or "",
             **(tags or {})}
         version = registry.find(**tags) if tags else None
         if version is not None:  # a killed try's: its tags are this report's now
@@ -296,20 +288,13 @@ class ServingFailsOnStack(RuntimeError):
     """The serving version, gated again on the stack it now runs on, fails: the loop stops, said why."""
 
 
-def stack_key(stack: dict) -> str:
-    """8 hex digits naming the stack's STACK_KEYS: cached numbers measured on one stack carry it."""
-    import hashlib
-
-    return hashlib.sha256(json.dumps({k: stack.get(k) for k in STACK_KEYS}, sort_keys=True).encode()).hexdigest()[:8]
-
-
 def regate_on_stack_change(cfg, registry, version, status: dict, seqs, run_dir: Path):
     """When the server's stack (engine version, quant format, kernel build, device and its model,
     torch) is not the one the serving version was gated on, gate the serving version again, against
     itself: its damage through the engine it now runs on, and its eval success. Tagged on the
     version; a failure raises ServingFailsOnStack (nothing is trained against a version that does
-    not serve what was gated). Numbers cached on the version are keyed by stack (stack_key), so
-    none measured on the old stack is reused."""
+    not serve what was gated). No success number is cached on a version: the gate plays the serving
+    version beside each candidate, on the stack it runs on now."""
     import mlflow
 
     from loop.tracking import start_run
@@ -324,7 +309,7 @@ def regate_on_stack_change(cfg, registry, version, status: dict, seqs, run_dir: 
     fp = version.tags.get("fp_path") or fp_of(status["path"])
     with start_run(cfg, "validate (stack change)", tags={"phase": "validate", "serving_version": version.version,
                                                           "stack_change": json.dumps(changed)}):
-        g = gate(cfg, status["path"], fp, status["path"], seqs, run_dir, lambda: None, out)
+        g = gate(cfg, status["path"], fp, status["path"], seqs, run_dir, out, paired=False)
         log_report(g.report)
         mlflow.log_artifacts(str(out), artifact_path="gate")
     registry.tag(version.version, stack=status["stack"], regate="pass" if g.report.passed else "fail",
@@ -421,6 +406,8 @@ def promote_phase(cfg, v: Verdict, ep, draft_path: str | None = None, plan: dict
             outcome = reject(registry, version, v.reasons)
         mlflow.set_tags({"outcome": outcome.status, "reason": outcome.reason[:4000]})
         mlflow.log_dict(outcome.__dict__, "promote_outcome.json")
+        if outcome.status == "serving" and v.summary.get("candidate_success") is not None:
+            registry.tag(v.version, promoted_success=v.summary["candidate_success"])  # the gate's floor
         if outcome.swap:
             mlflow.log_metrics({"promote/pause_s": outcome.swap.get("pause_s", 0.0), "promote/seconds": outcome.seconds,
                                 "promote/server_weight_version": outcome.swap.get("weight_version", -1)})

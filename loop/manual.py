@@ -33,7 +33,7 @@ def _parse(p: argparse.ArgumentParser, argv: list[str]):
 def validate_main(argv: list[str]) -> int:
     import mlflow
 
-    from loop.gate import fp_of, gate, heldout, log_report
+    from loop.gate import fp_of, gate, gate_eval_seed, heldout, log_report
     from loop.tracking import start_run
 
     p = argparse.ArgumentParser(prog="loop validate", description="the KL gate between two checkpoints")
@@ -50,23 +50,13 @@ def validate_main(argv: list[str]) -> int:
     if dataset is None:
         print(f"no dataset: pass --dataset DIR (none under {cfg.run_dir}/datasets)", file=sys.stderr)
         return 2
-    from loop.evaluate import served_success
-
     run_dir = Path(cfg.run_dir)
     seqs = heldout(cfg, dataset)
-    t = cfg.collect.rollout.temperature
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    from loop.configs import to_yaml
-
-    (run_dir / "logs" / "gate.yaml").write_text(to_yaml(cfg))
-
-    def serving_success():
-        return served_success(str(run_dir / "logs" / "gate.yaml"), a.serving, cfg.serve.quant, temperatures=(t,))[f"T={t}"]
-
     out = run_dir / "gates" / f"manual-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}"
     with start_run(cfg, "validate (manual)", tags={"phase": "validate", "candidate": a.candidate,
                                                    "serving": a.serving}):
-        g = gate(cfg, a.candidate, a.fp or fp_of(a.candidate), a.serving, seqs, run_dir, serving_success, out)
+        g = gate(cfg, a.candidate, a.fp or fp_of(a.candidate), a.serving, seqs, run_dir, out,
+                 eval_seed=gate_eval_seed(cfg, f"manual-{int(datetime.now(timezone.utc).timestamp())}"))
         log_report(g.report)
         mlflow.log_artifacts(str(out), artifact_path="gate")
     print(g.report.summary_line())

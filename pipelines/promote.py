@@ -79,7 +79,7 @@ class AdminClient:
 
 @dataclass
 class Outcome:
-    status: str  # "serving" | "rejected" | "rolled_back" | "swap_refused"
+    status: str  # "serving" | "rejected" | "rolled_back" | "swap_refused" | "no_op"
     version: str
     reason: str = ""
     swap: dict = field(default_factory=dict)
@@ -197,6 +197,10 @@ def promote(registry: Registry, server: AdminClient, version, path: str, cfg: Pr
     recorded `intent(...)` (None: read now; a caller that can be killed records it first)."""
     t0 = time.perf_counter()
     plan = plan or intent(registry, server, version, _sha_of(path))
+    if plan["to_sha"] == plan["from_sha"]:  # e.g. the serving version gated against itself
+        registry.tag(version.version, status="no_op", reason="its weights are the serving ones")
+        return Outcome("no_op", version.version, "its weights are the serving ones: nothing to swap",
+                       seconds=time.perf_counter() - t0)
     now = server.status()
     if now["checkpoint_sha256"] == plan["to_sha"]:  # a rerun: the swap happened before the kill
         body = {"weight_version": now["weight_version"], "checkpoint_sha256": now["checkpoint_sha256"],

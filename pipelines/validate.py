@@ -27,7 +27,10 @@ from pathlib import Path
 
 import torch
 
-from pipelines.logits import Sequences, flip_rate, kl, kl_known, model_logprobs, scored_targets, summary
+from pipelines.paired import paired_test
+
+from pipelines.logits import (Sequences, at_temperature, flip_rate, kl, kl_known, model_logprobs, scored_targets,
+                              scored_temperatures, summary)
 from pipelines.served import CandidateError, check_candidate, load_twin
 
 
@@ -44,7 +47,15 @@ class GateConfig:
     max_drift_kl_mean: float = 0.25
     max_drift_kl_p99: float = 10.0
     max_drift_flip_rate: float = 0.15
-    min_success_delta: float = -0.05  # candidate minus serving eval success, through vLLM
+    # The success test (pipelines/paired.py): candidate and serving play the same fresh eval problems
+    # in one engine process; promoted when the one-sided (1 - success_alpha) lower bound of the mean
+    # paired difference is above min_success_delta. A candidate truly |min_success_delta| worse
+    # passes at most success_alpha of the time (bench/gate_power.py measures it).
+    min_success_delta: float = -0.05
+    success_alpha: float = 0.1
+    # A floor against the best success any promoted version had at its gate (other problems, so
+    # unpaired): a chain of slightly worse promotions cannot walk far down.
+    max_below_best: float = 0.1
     engine_tolerance: float | None = None  # twin vs engine mean |Δ logprob|; None: the canary's for the format here
     engine_topk: int = 20  # log-probs per position from the engine when the vocabulary is large
     full_vocab_max: int = 4096  # vocabularies up to this size come back whole
@@ -54,6 +65,10 @@ class GateConfig:
                      "max_drift_kl_p99", "max_drift_flip_rate"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 < self.success_alpha < 1:
+            raise ValueError(f"success_alpha must be in (0, 1), got {self.success_alpha}")
+        if not self.max_below_best >= 0:
+            raise ValueError(f"max_below_best must be >= 0, got {self.max_below_best}")
         if self.heldout_sequences < 1 or self.engine_topk < 1:
             raise ValueError("heldout_sequences and engine_topk must be >= 1")
 
@@ -71,6 +86,9 @@ class EngineSide:
     num_problems: int
     source: str
     seconds: float
+    paired: tuple[list[float], list[float]] | None = None  # per-problem outcomes (candidate, serving)
+    best_success: float | None = None  # the best promoted version's success at its gate
+    eval_seed: str | None = None  # which eval problems were played
 
 
 @dataclass
@@ -99,7 +117,9 @@ class GateReport:
         return (f"gate {verdict} | damage KL mean {q.get('mean', float('nan')):.2e} p99 {q.get('p99', float('nan')):.2e} "
                 f"| drift KL mean {d.get('mean', float('nan')):.2e} p99 {d.get('p99', float('nan')):.2e} "
                 f"| success {self.eval.get('candidate_success', float('nan')):.1%} vs "
-                f"{self.eval.get('serving_success') if self.eval.get('serving_success') is not None else float('nan'):.1%}")
+                f"{self.eval.get('serving_success') if self.eval.get('serving_success') is not None else float('nan'):.1%}"
+                + (f" paired on {self.eval['num_problems']} fresh problems, delta {self.eval['success_delta']:+.3f} "
+                   f"(lower bound {self.eval['success_delta_lower']:+.3f})" if "success_delta_lower" in self.eval else ""))
 
 
 def _limits(report: GateReport, cfg: GateConfig, side: str) -> None:
@@ -151,11 +171,13 @@ class KLGate:
             self.lp["fp"] = model_logprobs(fp, self.seqs)
         t2 = time.perf_counter()
         r = self.report
-        self.per_token["drift"] = kl(self.lp["serving"], self.lp["candidate"])
+        temps = scored_temperatures(self.seqs)  # KL of the distributions the tokens were drawn from
+        at = {k: at_temperature(v, temps) for k, v in self.lp.items()}
+        self.per_token["drift"] = kl(at["serving"], at["candidate"])
         r.drift = {"kl": summary(self.per_token["drift"]), "flip_rate": flip_rate(self.lp["serving"], self.lp["candidate"]),
                    "source": "torch twins of both folders as served"}
         if fp is not None:
-            self.per_token["quant"] = kl(self.lp["candidate"], self.lp["fp"])
+            self.per_token["quant"] = kl(at["candidate"], at["fp"])
             r.quant = {"kl": summary(self.per_token["quant"]), "flip_rate": flip_rate(self.lp["candidate"], self.lp["fp"]),
                        "source": "torch twin as served vs full precision"}
             _limits(r, self.cfg, "quant")
@@ -182,7 +204,9 @@ class KLGate:
             r.reasons.append(f"the torch twin does not match the engine: mean |Δ logprob| "
                              f"{delta.mean().item():.4g} > tolerance {tolerance:g} ({engine.source})")
         if "fp" in self.lp:
-            self.per_token["quant"] = kl_known(engine.logprobs, self.lp["fp"])
+            temps = scored_temperatures(self.seqs)
+            self.per_token["quant"] = kl_known(at_temperature(engine.logprobs, temps),
+                                               at_temperature(self.lp["fp"], temps))
             known = (~torch.isnan(engine.logprobs)).sum(-1).float().mean().item()
             top1 = torch.nan_to_num(engine.logprobs, nan=-math.inf).argmax(-1)
             r.quant = {"kl": summary(self.per_token["quant"]),
@@ -192,13 +216,21 @@ class KLGate:
             r.reasons = [x for x in r.reasons if not x.startswith("quant ")]
             _limits(r, self.cfg, "quant")
         r.eval = {"candidate_success": engine.success, "serving_success": engine.serving_success,
-                  "temperature": engine.temperature, "num_problems": engine.num_problems}
-        if engine.serving_success is not None:
-            # success rates are k / num_problems: rounded, a delta of exactly the limit (0.59 - 0.64) is not below it
-            d = round(engine.success - engine.serving_success, 9)
-            r.eval["success_delta"] = d
-            if not d >= self.cfg.min_success_delta:
-                r.reasons.append(f"success delta {d:+.3f} < validate.min_success_delta {self.cfg.min_success_delta:+g}")
+                  "temperature": engine.temperature, "num_problems": engine.num_problems, "eval_seed": engine.eval_seed}
+        if engine.paired is not None:
+            t = paired_test(*engine.paired, margin=self.cfg.min_success_delta, alpha=self.cfg.success_alpha)
+            r.eval |= {"success_delta": t.delta, "success_delta_se": t.se, "success_delta_lower": t.lower,
+                       "success_alpha": t.alpha}
+            if not t.passed:
+                r.reasons.append(f"paired success delta {t.delta:+.3f} (se {t.se:.3f}): its {1 - t.alpha:.0%} lower "
+                                 f"bound {t.lower:+.3f} is not above validate.min_success_delta "
+                                 f"{self.cfg.min_success_delta:+g}")
+        if engine.best_success is not None:
+            floor = round(engine.best_success - self.cfg.max_below_best, 9)
+            r.eval["best_success"] = engine.best_success
+            if not round(engine.success, 9) >= floor:
+                r.reasons.append(f"success {engine.success:.3f} < the best promoted version's {engine.best_success:.3f}"
+                                 f" - validate.max_below_best {self.cfg.max_below_best:g}")
         r.timings["engine_s"] = round(engine.seconds, 2)
         r.passed = not r.reasons
         return r

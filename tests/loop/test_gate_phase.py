@@ -14,7 +14,7 @@ def test_a_dead_engine_stage_fails_the_gate(tiny_base, tiny_cfg, gate_dataset, m
 
     monkeypatch.setattr(lg, "engine_side", dead)
     seqs = lg.heldout(tiny_cfg, gate_dataset.path)
-    g = lg.gate(tiny_cfg, tiny_base.path, None, tiny_base.path, seqs, tmp_path, lambda: 0.5, tmp_path / "gate")
+    g = lg.gate(tiny_cfg, tiny_base.path, None, tiny_base.path, seqs, tmp_path, tmp_path / "gate", eval_seed="gate-0-1")
     assert not g.report.passed and g.report.stage == "engine"
     assert g.report.reasons == ["engine stage failed: evaluation of X (none) failed:\n"
                                 "terminate called without an active exception"]

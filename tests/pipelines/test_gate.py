@@ -81,14 +81,45 @@ def test_good_candidate_passes_with_its_distributions(gate_setup, tmp_path):
         f"quant kl_p99 {report.quant['kl']['p99']:.4g} > validate.max_quant_kl_p99 1e-09"]
 
 
-@pytest.mark.parametrize("success, passed", [(0.59, True), (0.585, False)])
-def test_the_success_limit_is_inclusive(gate_setup, success, passed):
-    """0.59 - 0.64 is -0.05000000000000004 in floats: a candidate exactly 5 points below serving
-    passes the default validate.min_success_delta -0.05 (one half point more does not)."""
+def test_the_paired_success_test_promotes_only_what_its_lower_bound_clears(gate_setup):
+    """The candidate and serving played the same problems; the candidate is promoted when the 90%
+    lower bound of the mean paired difference is above validate.min_success_delta (-0.05), and it is
+    held to the best promoted version's success less validate.max_below_best too."""
     s = gate_setup
     gate = KLGate(s["good"], s["trained"], s["serving"], s["seqs"], GateConfig())
     gate.measure()
-    engine = EngineSide(gate.lp["candidate"], success, 0.64, 1.0, 200, "the twin's own log-probs", 0.0)
-    report = gate.with_engine(engine, tolerance=1e-6)
-    assert report.engine_check["ok"] and report.passed is passed, report.reasons
-    assert report.reasons == ([] if passed else ["success delta -0.055 < validate.min_success_delta -0.05"])
+
+    def engine(c: list[float], srv: list[float], best=None) -> EngineSide:
+        return EngineSide(gate.lp["candidate"], sum(c) / len(c), sum(srv) / len(srv), 1.0, len(c),
+                          "the twin's own log-probs", 0.0, (c, srv), best, "gate-0-1")
+
+    same = [1.0, 0.0] * 100
+    report = gate.with_engine(engine(same, same), tolerance=1e-6)  # identical outcomes: delta 0, se 0
+    assert report.passed and report.eval["success_delta"] == 0 and report.eval["success_delta_lower"] == 0
+    lost3 = [0.0] * 6 + same[6:]  # 3 of 200 problems lost: delta -0.015, lower bound -0.026: not worse by 5 points
+    assert gate.with_engine(engine(lost3, same), tolerance=1e-6).passed
+    lost8 = [0.0] * 16 + same[16:]  # 8 lost: delta -0.040 is above the limit, its lower bound -0.058 is not
+    report = gate.with_engine(engine(lost8, same), tolerance=1e-6)
+    assert not report.passed and report.reasons == ["paired success delta -0.040 (se 0.014): its 90% lower bound "
+                                                    "-0.058 is not above validate.min_success_delta -0.05"]
+    report = gate.with_engine(engine(same, same, best=0.65), tolerance=1e-6)
+    assert not report.passed and report.reasons == [
+        "success 0.500 < the best promoted version's 0.650 - validate.max_below_best 0.1"]
+
+
+def test_kl_is_taken_at_the_temperature_the_tokens_were_sampled_at():
+    import torch
+
+    from pipelines.logits import Sequences, at_temperature, scored_temperatures
+
+    logits = torch.randn(3, 7)
+    lp = torch.log_softmax(logits, -1)
+    temps = torch.tensor([1.0, 0.7, 0.5])
+    got = at_temperature(lp, temps)
+    assert torch.allclose(got, torch.log_softmax(logits / temps[:, None], -1), atol=1e-6)
+    assert at_temperature(lp, torch.ones(3)) is lp
+    partial = lp.clone()
+    partial[1, 3] = float("nan")  # an engine's top-k row: its tail cannot be rescaled, left at T=1
+    assert torch.equal(at_temperature(partial, temps)[1].nan_to_num(), partial[1].nan_to_num())
+    seqs = Sequences(((1, 2, 3, 4),), ((0, 1, 0, 1),), "x", ("e",), ((1.0, 0.7, 1.0, 0.5),))
+    assert scored_temperatures(seqs).tolist() == pytest.approx([0.7, 0.5])
