@@ -24,6 +24,9 @@ class Sequences:
     sampled: tuple[tuple[int, ...], ...]  # per sequence: 1 where the token was sampled by the policy
     source: str  # "<dataset folder>:<split>"
     episode_ids: tuple[str, ...] = ()  # per sequence, when drawn from a dataset
+    # per sequence, per token: the temperature it was sampled at (a dataset's `temperatures`); ():
+    # all 1. The KL statistics compare the distributions tokens were drawn from: softmax(logits / T)
+    temperatures: tuple[tuple[float, ...], ...] = ()
 
     @property
     def num_scored(self) -> int:
@@ -37,7 +40,8 @@ class Sequences:
         return self.rows(0, n)
 
     def rows(self, start: int, stop: int | None = None) -> "Sequences":
-        return Sequences(self.ids[start:stop], self.sampled[start:stop], self.source, self.episode_ids[start:stop])
+        return Sequences(self.ids[start:stop], self.sampled[start:stop], self.source, self.episode_ids[start:stop],
+                         self.temperatures[start:stop])
 
 
 def dataset_sequences(dataset: str | Path, split: str, max_sequences: int, seed: int = 0) -> Sequences:
@@ -54,15 +58,16 @@ def dataset_sequences(dataset: str | Path, split: str, max_sequences: int, seed:
     for rel in files:
         if file_sha256(folder / rel) != manifest.files[rel]:
             raise ValueError(f"{folder / rel} does not match its dataset manifest sha256")
-    rows = [r for rel in files for r in pq.read_table(folder / rel, columns=["episode_id", "input_ids",
-                                                                            "assistant_mask"]).to_pylist()]
+    rows = [r for rel in files for r in pq.read_table(folder / rel, columns=[
+        "episode_id", "input_ids", "assistant_mask", "temperatures"]).to_pylist()]
     rows = [r for r in rows if any(r["assistant_mask"][1:])]
     if not rows:
         raise ValueError(f"{folder}: split {split!r} holds no episodes with sampled tokens")
     rows.sort(key=lambda r: hashlib.sha256(f"{seed}:{r['episode_id']}".encode()).hexdigest())
     rows = rows[:max_sequences]
     return Sequences(tuple(tuple(r["input_ids"]) for r in rows), tuple(tuple(r["assistant_mask"]) for r in rows),
-                     f"{folder}:{split}", tuple(r["episode_id"] for r in rows))
+                     f"{folder}:{split}", tuple(r["episode_id"] for r in rows),
+                     tuple(tuple(r["temperatures"]) for r in rows))
 
 
 def batches(seqs: Sequences, batch_size: int):
@@ -94,6 +99,24 @@ def model_logprobs(model, seqs: Sequences, batch_size: int = 16) -> torch.Tensor
 def scored_targets(seqs: Sequences) -> torch.Tensor:
     """[num_scored] the sampled token at each scored position."""
     return torch.tensor([s[t + 1] for s, m in zip(seqs.ids, seqs.sampled) for t in range(len(s) - 1) if m[t + 1]])
+
+
+def scored_temperatures(seqs: Sequences) -> torch.Tensor:
+    """[num_scored] the temperature each scored position's next token was sampled at (1 when unknown)."""
+    if not seqs.temperatures:
+        return torch.ones(seqs.num_scored)
+    return torch.tensor([t[i + 1] for t, m in zip(seqs.temperatures, seqs.sampled) for i in range(len(m) - 1)
+                         if m[i + 1]], dtype=torch.float32)
+
+
+def at_temperature(logprobs: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """Rows [N, V] of log-probabilities at T=1 -> at each row's temperature: log_softmax(lp / T). A
+    row with unknown (NaN) entries (an engine's top-k) stays at T=1: its tail cannot be rescaled."""
+    if bool((temperatures == 1).all()):
+        return logprobs
+    scaled = torch.log_softmax(logprobs / temperatures[:, None].to(logprobs.dtype), dim=-1)
+    partial = torch.isnan(logprobs).any(-1, keepdim=True)
+    return torch.where(partial, logprobs, scaled)
 
 
 def kl(p_logprobs: torch.Tensor, q_logprobs: torch.Tensor) -> torch.Tensor:

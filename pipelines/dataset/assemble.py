@@ -119,6 +119,7 @@ class TokenColumns:
     weight_version: np.ndarray  # (R,) int64
     token_versions: np.ndarray  # int64, per completion token where the row logs them (else none)
     token_versions_off: np.ndarray
+    temperature: np.ndarray  # (R,) float32: the row's sampling temperature
 
     @classmethod
     def of(cls, table: pa.Table) -> "TokenColumns":
@@ -126,7 +127,8 @@ class TokenColumns:
         C, C_off = _flat(table["completion_token_ids"], np.int32)
         L, L_off = _flat(table["completion_logprobs"], np.float32)
         V, V_off = _flat(table["completion_weight_versions"], np.int64)
-        return cls(P, P_off, C, C_off, L, L_off, np.asarray(table["weight_version"], dtype=np.int64), V, V_off)
+        T = np.asarray(pc.struct_field(table["sampling"], "temperature").fill_null(1.0), dtype=np.float32)
+        return cls(P, P_off, C, C_off, L, L_off, np.asarray(table["weight_version"], dtype=np.int64), V, V_off, T)
 
 
 @dataclass
@@ -145,6 +147,7 @@ class EpisodeTokens:
     behaviour_logprobs: np.ndarray
     weight_versions: np.ndarray
     first_prompt_len: np.ndarray
+    temperatures: np.ndarray  # float32, the sampling temperature where assistant_mask, else 1
 
 
 def _flat(col: pa.ChunkedArray | pa.Array, dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -211,6 +214,8 @@ def assemble(cols: TokenColumns, rows: np.ndarray, starts: np.ndarray, bad: np.n
     mask[dst] = 1
     logprobs = np.zeros(len(input_ids), dtype=np.float32)
     logprobs[dst] = L[_ranges(L_off[turn], C_len[turn])]
+    temperatures = np.ones(len(input_ids), dtype=np.float32)
+    temperatures[dst] = np.repeat(cols.temperature[rows[turn]], C_len[turn])
     versions = np.full(len(input_ids), -1, dtype=np.int64)
     versions[dst] = np.repeat(cols.weight_version[rows[turn]], C_len[turn])
     V_off = cols.token_versions_off[rows[turn]]
@@ -222,7 +227,7 @@ def assemble(cols: TokenColumns, rows: np.ndarray, starts: np.ndarray, bad: np.n
             cols.token_versions[_ranges(V_off[t], C_len[turn[t]])]
     return EpisodeTokens(episodes=eps, offsets=offsets, input_ids=input_ids, assistant_mask=mask,
                          behaviour_logprobs=logprobs, weight_versions=versions,
-                         first_prompt_len=P_len[first].astype(np.int32))
+                         first_prompt_len=P_len[first].astype(np.int32), temperatures=temperatures)
 
 
 def first_prompts(cols: TokenColumns, rows: np.ndarray) -> list[bytes]:

@@ -20,7 +20,7 @@ from pipelines.rewards import DEFAULT_REWARD_FN, FEEDBACK_MODES, FeedbackMode, l
 from pipelines.artifacts import MANIFEST
 from rollout.traces.schema import LOGPROBS_MODES
 
-DATASET_SCHEMA_VERSION = 1
+DATASET_SCHEMA_VERSION = 2  # 2: per-token sampling temperatures
 
 # One row per episode. List columns are per token, all of one length n = len(input_ids).
 DATASET_SCHEMA = pa.schema([
@@ -33,6 +33,9 @@ DATASET_SCHEMA = pa.schema([
     ("assistant_mask", pa.list_(pa.int8())),  # (n,) 1 exactly on tokens the policy sampled
     ("behaviour_logprobs", pa.list_(pa.float32())),  # (n,) logged logprob where mask = 1, else 0
     ("weight_versions", pa.list_(pa.int64())),  # (n,) serving version where mask = 1, else -1
+    # (n,) the temperature each sampled token was drawn at where mask = 1, else 1: the behaviour
+    # logprobs are of softmax(logits / T), so the trainer scales its logits the same way
+    ("temperatures", pa.list_(pa.float32())),
     ("reward", pa.float64()),
     ("weight_version", pa.int64()),  # the oldest version that sampled any of its tokens
     ("version_lag", pa.int64()),  # trainer base version - weight_version

@@ -62,6 +62,61 @@ def test_on_policy_data_matches_the_training_forward_at_step_zero(tiny_base, rl_
     assert seen[0]["mismatch/train_vs_behaviour"] < 1e-3, seen[0]
 
 
+def test_tokens_sampled_at_temperature_07_are_trained_at_it(tiny_base, ds_traces, ds_write, tmp_path):
+    """Episodes sampled by the model itself at T=0.7, their logged logprobs those of softmax(logits /
+    0.7) (what vLLM's processed_logprobs are): before any update the trainer's log-probs are the
+    logged ones only if it scales its logits by the temperature each token was sampled at. On
+    c8fb06b (logits at T=1) the step-0 mismatch was 0.072 nats per token."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipelines.traces_to_dataset import DatasetConfig, build_dataset
+    from rollout.episode import Completion, hf_generate, run_episodes
+    from rollout.task import make_problems
+    from rollout.traces import Feedback
+
+    t = 0.7
+    model = AutoModelForCausalLM.from_pretrained(tiny_base.path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_base.path)
+    torch.manual_seed(0)
+    problems = [p for p in make_problems("train", 2, seed=11) for _ in range(4)]
+    episodes = run_episodes(problems, tok, hf_generate(model, tok), temperature=t, max_tokens=32)
+    traces, feedback = [], []
+    with torch.no_grad():
+        for i, ep in enumerate(episodes):
+            for turn in ep.turns:  # the sampler's own distribution at each sampled token
+                ids = torch.tensor([turn.prompt_ids + turn.completion.token_ids])
+                lp = torch.log_softmax(model(ids).logits[0, :-1] / t, -1)
+                pos = range(len(turn.prompt_ids) - 1, ids.shape[1] - 1)
+                turn.completion = Completion(turn.completion.token_ids, [float(lp[p, ids[0, p + 1]]) for p in pos],
+                                             turn.completion.finish_reason)
+            tr = ds_traces(ep, f"t07-{i // 4}-{i % 4}", temperature=t)
+            traces += tr
+            feedback.append(Feedback(trace_id=tr[-1].trace_id, episode_id=tr[-1].episode_id, reward=float(i % 2),
+                                     source="env:planted", created_at=tr[-1].created_at))
+    ds_write(tmp_path / "data", traces, feedback)
+    ds = build_dataset(DatasetConfig(trace_root=tmp_path / "data", out_dir=tmp_path / "ds", tokenizer=tiny_base.path,
+                                     heldout_fraction=0.0, feedback_mode="override"))
+    seen = []
+    job = TrainJob(tiny_base.path, ds.path, str(tmp_path / "ckpt"), RLConfig(**{**FAST, "epochs": 1, "qat": False}))
+    train(job, report=lambda step, metrics: seen.append(metrics))
+    assert seen[0]["mismatch/train_vs_behaviour"] < 1e-3, seen[0]
+
+
+def test_a_fixed_job_start_proximal_clips_every_step_against_the_parent(tiny_base, rl_dataset, tmp_path):
+    """Two minibatches in one epoch: with `previous_visit` the second one's first visit has ratio 1
+    (its old policy is this very forward); with `job_start` its old policy is the parent's, which
+    the first step moved away from."""
+    kl = {}
+    for mode in ("previous_visit", "job_start"):
+        seen = []
+        rl = RLConfig(**{**FAST, "epochs": 1, "minibatch_episodes": 4, "qat": False, "proximal": mode})
+        train(TrainJob(tiny_base.path, rl_dataset.path, str(tmp_path / mode), rl), report=lambda s, m: seen.append(m))
+        kl[mode] = [m["pg/ppo_kl"] for m in seen]
+        assert (seen[0]["proximal_forward_s"] > 0) == (mode == "job_start")
+    assert kl["previous_visit"] == [0.0, 0.0]
+    assert abs(kl["job_start"][0]) < 1e-6 < abs(kl["job_start"][1])  # step 1: the parent itself (float noise)
+
+
 def test_qat_leaves_the_layers_the_serving_plan_keeps_in_full_precision(tiny_base):
     from trainers.qat import FakeQuantLinear
     from trainers.rl.train import prepare_policy

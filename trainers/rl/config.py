@@ -49,6 +49,11 @@ class RLConfig:
     # clipped against the proximal policy; a reference costs a second forward pass per step
     # (~+30% time) and the probe learned without it. Turn it on for long multi-cycle runs.
     kl_coef: float = 0.0
+    # The PPO "old" policy each token's ratio is clipped against: "previous_visit" (the episode's
+    # logprobs at its last visit, epoch e-1: no extra forward, but over E epochs the policy can move
+    # ~(1 + clip)^E from where it started) or "job_start" (the parent's logprobs, one no-grad forward
+    # over the train split before the first step: every epoch clipped against the policy that sampled)
+    proximal: Literal["previous_visit", "job_start"] = "previous_visit"
     kl_type: str = "low_var_kl"
     # quantization-aware training with the serving format's spec (the loop passes it)
     qat: bool = True
@@ -75,6 +80,8 @@ class RLConfig:
         if self.max_steps is not None and (isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int)
                                            or self.max_steps < 1):
             raise ValueError(f"max_steps must be an int >= 1 or null, got {self.max_steps!r}")
+        if self.proximal not in ("previous_visit", "job_start"):
+            raise ValueError(f"proximal must be previous_visit or job_start, got {self.proximal!r}")
         if self.minibatch_episodes < max(1, self.num_workers):
             raise ValueError(f"minibatch_episodes {self.minibatch_episodes} < num_workers {self.num_workers}")
         if not self.grad_clip > 0:

@@ -26,7 +26,7 @@ from pipelines.artifacts import file_sha256
 from pipelines.dataset.manifest import DATASET_SCHEMA, RLDatasetManifest, load_manifest
 
 COLUMNS = ("episode_id", "group_id", "input_ids", "assistant_mask", "behaviour_logprobs", "weight_versions",
-           "reward")
+           "temperatures", "reward")
 
 
 class DatasetError(ValueError):
@@ -51,6 +51,9 @@ class Minibatch:
     # (first row, end row, shared prefix length) runs covering the rows: the rows of a run begin
     # with the same tokens (a GRPO group's prompt), which the forward computes once; 0: no sharing
     runs: tuple[tuple[int, int, int], ...] = ()
+    # (B, T-1) float, the temperature token t+1 was sampled at (1 off loss_mask); None: all 1.
+    # The trainer's logits are divided by it, so its logprobs are of the distribution that sampled
+    temperatures: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:
@@ -58,7 +61,8 @@ class Minibatch:
 
     def to(self, device: str | torch.device) -> "Minibatch":
         return Minibatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.loss_mask,
-                                                  self.behaviour_logprobs, self.advantages)), self.rows, self.runs)
+                                                  self.behaviour_logprobs, self.advantages)), self.rows, self.runs,
+                         None if self.temperatures is None else self.temperatures.to(device))
 
 
 @dataclass
@@ -72,6 +76,7 @@ class Episodes:
     rewards: torch.Tensor  # (N,)
     group_ids: list[str]
     counts: dict[str, int]  # episodes/groups kept and left out, by reason
+    temperatures: list[torch.Tensor] | None = None  # (n_i - 1,): token t+1's sampling temperature
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -87,13 +92,16 @@ class Episodes:
         ids = torch.full((b, n), pad_id, dtype=torch.long)
         att = torch.zeros((b, n), dtype=torch.long)
         mask, blp, adv = (torch.zeros((b, n - 1)) for _ in range(3))
+        temps = torch.ones((b, n - 1))
         for j, i in enumerate(rows.tolist()):
             k = self.input_ids[i].numel()
             ids[j, :k], att[j, :k] = self.input_ids[i], 1
             mask[j, :k - 1], blp[j, :k - 1], adv[j, :k - 1] = (self.loss_mask[i], self.behaviour_logprobs[i],
                                                                self.advantages[i])
+            if self.temperatures is not None:
+                temps[j, :k - 1] = self.temperatures[i]
         runs = self.prefix_runs(rows.tolist(), share_prefix) if share_prefix is not None else ()
-        return Minibatch(ids, att, mask, blp, adv, rows, runs)
+        return Minibatch(ids, att, mask, blp, adv, rows, runs, temps if self.temperatures is not None else None)
 
     def prefix_runs(self, rows: list[int], min_prefix: int) -> tuple[tuple[int, int, int], ...]:
         """(start, end, prefix) over `rows`: maximal stretches of one group, each with the length
@@ -153,7 +161,8 @@ def load_episodes(manifest: RLDatasetManifest, adv_estimator: str = "grpo", norm
     rows = table.to_pylist()
     for r in rows:
         n = len(r["input_ids"])
-        if not (len(r["assistant_mask"]) == len(r["behaviour_logprobs"]) == len(r["weight_versions"]) == n >= 2):
+        if not (len(r["assistant_mask"]) == len(r["behaviour_logprobs"]) == len(r["weight_versions"])
+                == len(r["temperatures"]) == n >= 2):
             raise DatasetError(f"{manifest.path}: episode {r['episode_id']}: per-token lists of different lengths")
     sizes = Counter(r["group_id"] for r in rows)
     counts = Counter()
@@ -196,4 +205,5 @@ def load_episodes(manifest: RLDatasetManifest, adv_estimator: str = "grpo", norm
         loss_mask=[mask[i, :k].clone() for i, k in zip(signal, lengths)],
         behaviour_logprobs=[torch.tensor(r["behaviour_logprobs"][1:], dtype=torch.float32) for r in ep],
         advantages=[adv[i, :k].clone() for i, k in zip(signal, lengths)],
-        rewards=rewards[signal], group_ids=[r["group_id"] for r in ep], counts=dict(counts))
+        rewards=rewards[signal], group_ids=[r["group_id"] for r in ep], counts=dict(counts),
+        temperatures=[torch.tensor(r["temperatures"][1:], dtype=torch.float32) for r in ep])

@@ -1,6 +1,7 @@
 """One RL update's loss, in plain torch around verl's `core_algos` (nothing here knows of Ray).
 
-    logprobs   = log pi_theta(token t+1 | tokens <= t), the model's forward       (B, T-1)
+    logprobs   = log pi_theta(token t+1 | tokens <= t), the model's forward at the temperature
+                 token t+1 was sampled at (its logits / T, as verl's actor)       (B, T-1)
     proximal   = the same episode's logprobs at its previous visit (epoch e-1), or this
                  forward's detached on the first visit (ratio 1): the PPO "old" policy, with no
                  extra forward pass; clipping bounds how far an epoch moves each token
@@ -38,6 +39,8 @@ def token_logprobs(model, mb: Minibatch, with_entropy: bool = False,
     from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
     logits = sequence_logits(model, mb)[:, :-1].float()
+    if mb.temperatures is not None:  # the distribution each token was sampled from (verl's actor does the same)
+        logits = logits / mb.temperatures.unsqueeze(-1)
     logprobs = logprobs_from_logits(logits, mb.input_ids[:, 1:])
     entropy = None
     if with_entropy:

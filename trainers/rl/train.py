@@ -102,6 +102,11 @@ def train(job: TrainJob, report: Callable[[int, dict], None] = lambda step, m: N
     sched = lr_schedule(opt, rl, len(batches))
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     proximal: list[torch.Tensor | None] = [None] * len(episodes)
+    prox_s = 0.0
+    if rl.proximal == "job_start":
+        t_prox = time.perf_counter()
+        proximal = start_logprobs(model, episodes, rl, pad_id, device)
+        prox_s = time.perf_counter() - t_prox
     history: list[dict] = []
     bar = tqdm(total=len(batches), desc="RL", unit="step", disable=rank != 0 or not rl.progress)
     for step, (epoch, rows) in enumerate(batches, 1):
@@ -127,13 +132,15 @@ def train(job: TrainJob, report: Callable[[int, dict], None] = lambda step, m: N
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, rl.grad_clip))
         opt.step()
         sched.step()
-        for i, lp in zip(rows.tolist(), gather_rows(logprobs.detach(), rows, world)):
-            proximal[i] = lp[:episodes.loss_mask[i].numel()].cpu()
+        if rl.proximal == "previous_visit":
+            for i, lp in zip(rows.tolist(), gather_rows(logprobs.detach(), rows, world)):
+                proximal[i] = lp[:episodes.loss_mask[i].numel()].cpu()
         seconds = time.perf_counter() - t0
         metrics = reduce_metrics(out.metrics, mb.tokens, world)
         metrics.update({"grad_norm": grad_norm, "lr": sched.get_last_lr()[0], "epoch": epoch,
                         "reward/mean": float(episodes.rewards[rows].mean()), "tokens": global_tokens,
-                        "tokens_per_s": global_tokens / seconds, "step_seconds": seconds})
+                        "tokens_per_s": global_tokens / seconds, "step_seconds": seconds,
+                        "proximal_forward_s": prox_s})
         history.append({"step": step, **metrics})
         report(step, metrics)
         bar.update()
@@ -178,6 +185,23 @@ def lr_schedule(opt, rl: RLConfig, total_steps: int):
     if rl.lr_schedule == "cosine":
         return get_cosine_schedule_with_warmup(opt, rl.warmup_steps, max(total_steps, 1))
     return get_constant_schedule_with_warmup(opt, rl.warmup_steps)
+
+
+@torch.no_grad()
+def start_logprobs(model, episodes: Episodes, rl: RLConfig, pad_id: int, device: str) -> list[torch.Tensor]:
+    """Every train episode's logprobs under the policy as it starts (no grad), in minibatches of
+    `rl.minibatch_episodes`: the fixed PPO old policy of `proximal: job_start`. Each rank computes
+    them all (the same numbers everywhere; one forward of the train split)."""
+    from trainers.qat import fake_quant_once
+
+    out: list[torch.Tensor] = []
+    for start in range(0, len(episodes), rl.minibatch_episodes):
+        rows = list(range(start, min(start + rl.minibatch_episodes, len(episodes))))
+        mb = episodes.minibatch(rows, pad_id).to(device)
+        with fake_quant_once(model):
+            lp, _ = token_logprobs(model, mb)
+        out += [lp[j, :episodes.loss_mask[i].numel()].cpu() for j, i in enumerate(rows)]
+    return out
 
 
 def pad_rows(rows: list[torch.Tensor | None], width: int) -> list[torch.Tensor | None]:
