@@ -86,23 +86,23 @@ def test_the_paired_success_test_promotes_only_what_its_lower_bound_clears(gate_
     lower bound of the mean paired difference is above validate.min_success_delta (-0.05), and it is
     held to the best promoted version's success less validate.max_below_best too."""
     s = gate_setup
-    gate = KLGate(s["good"], s["trained"], s["serving"], s["seqs"], GateConfig())
-    gate.measure()
 
-    def engine(c: list[float], srv: list[float], best=None) -> EngineSide:
-        return EngineSide(gate.lp["candidate"], sum(c) / len(c), sum(srv) / len(srv), 1.0, len(c),
-                          "the twin's own log-probs", 0.0, (c, srv), best, "gate-0-1")
+    def judge(c: list[float], srv: list[float], best=None):
+        gate = KLGate(s["good"], s["trained"], s["serving"], s["seqs"], GateConfig())
+        gate.measure()
+        return gate.with_engine(EngineSide(gate.lp["candidate"], sum(c) / len(c), sum(srv) / len(srv), 1.0, len(c),
+                                           "the twin's own log-probs", 0.0, (c, srv), best, "gate-0-1"), tolerance=1e-6)
 
     same = [1.0, 0.0] * 100
-    report = gate.with_engine(engine(same, same), tolerance=1e-6)  # identical outcomes: delta 0, se 0
+    report = judge(same, same)  # identical outcomes: delta 0, se 0
     assert report.passed and report.eval["success_delta"] == 0 and report.eval["success_delta_lower"] == 0
     lost3 = [0.0] * 6 + same[6:]  # 3 of 200 problems lost: delta -0.015, lower bound -0.026: not worse by 5 points
-    assert gate.with_engine(engine(lost3, same), tolerance=1e-6).passed
+    assert judge(lost3, same).passed
     lost8 = [0.0] * 16 + same[16:]  # 8 lost: delta -0.040 is above the limit, its lower bound -0.058 is not
-    report = gate.with_engine(engine(lost8, same), tolerance=1e-6)
+    report = judge(lost8, same)
     assert not report.passed and report.reasons == ["paired success delta -0.040 (se 0.014): its 90% lower bound "
                                                     "-0.058 is not above validate.min_success_delta -0.05"]
-    report = gate.with_engine(engine(same, same, best=0.65), tolerance=1e-6)
+    report = judge(same, same, best=0.65)
     assert not report.passed and report.reasons == [
         "success 0.500 < the best promoted version's 0.650 - validate.max_below_best 0.1"]
 
