@@ -30,9 +30,7 @@ def loop_args(cfg, run_dir: Path) -> list[str]:
             "collect.rollout.group_size=8", "collect.rollout.max_tokens=32",
             # groups hash their collection round (a fresh run id): split 32 episodes, not 4 groups,
             # so both sides are non-empty but for a 0.75^32 (1e-4) chance
-            "dataset.heldout_unit=episode", "dataset.heldout_fraction=0.25",
-            # the tiny policy's success is ~0-5%: a candidate is held to its KL, not to success
-            "validate.min_success_delta=-1.0"]
+            "dataset.heldout_unit=episode", "dataset.heldout_fraction=0.25"]  # the real gate, paired test and all
 
 
 # the speculator phase on a draft of a few thousand weights (the end-to-end run; the kill test runs without)

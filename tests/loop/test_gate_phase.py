@@ -27,3 +27,32 @@ def test_the_gate_needs_held_out_episodes(tiny_cfg, rl_dataset):
 
     with pytest.raises(ValueError, match="dataset.heldout_fraction > 0"):
         lg.heldout(tiny_cfg, rl_dataset.path)  # built with heldout_fraction 0
+
+
+def test_the_training_parent_is_what_the_server_serves(tiny_base, tmp_path, capsys):
+    """After a `loop rollback` (or a restarted external server) the server serves another version
+    than the state recorded: on c8fb06b the cycle trained the state's `fp` anyway."""
+    from types import SimpleNamespace
+
+    from loop.cycle import serving_parent
+    from loop.serving import serving_spec
+    from loop.state import LoopState
+    from pipelines.quantize import quantize_checkpoint
+
+    spec = serving_spec("w4a16", 32, "bfloat16")
+    served_base = quantize_checkpoint(tiny_base.path, tmp_path / "base-q", spec, parent=tiny_base.path).path
+    other_fp = tmp_path / "other-fp"
+    import shutil
+
+    shutil.copytree(tiny_base.path, other_fp)
+    other = quantize_checkpoint(other_fp, tmp_path / "other-q", spec, parent=str(other_fp)).path
+    state = LoopState("x", "", {}, path=str(tmp_path / "loop_state.json"))
+    state.serving = {"path": tiny_base.path, "fp": tiny_base.path, "version": "3"}
+    lp = SimpleNamespace(state=state)
+    # the served (quantized) copy of the state's policy: the same parent, nothing said, nothing changed
+    assert serving_parent(lp, {"path": served_base, "weight_version": 4}) == tiny_base.path
+    assert state.serving["version"] == "3" and "not" not in capsys.readouterr().out
+    # another version serves: train from its full-precision parent, and the state follows the server
+    assert serving_parent(lp, {"path": other, "weight_version": 5}) == str(other_fp)
+    assert state.serving == {"path": other, "fp": str(other_fp), "version": None}
+    assert "as the state said" in capsys.readouterr().out
