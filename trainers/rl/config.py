@@ -49,11 +49,14 @@ class RLConfig:
     # clipped against the proximal policy; a reference costs a second forward pass per step
     # (~+30% time) and the probe learned without it. Turn it on for long multi-cycle runs.
     kl_coef: float = 0.0
-    # The PPO "old" policy each token's ratio is clipped against: "previous_visit" (the episode's
-    # logprobs at its last visit, epoch e-1: no extra forward, but over E epochs the policy can move
-    # ~(1 + clip)^E from where it started) or "job_start" (the parent's logprobs, one no-grad forward
-    # over the train split before the first step: every epoch clipped against the policy that sampled)
-    proximal: Literal["previous_visit", "job_start"] = "previous_visit"
+    # The PPO "old" policy each token's ratio is clipped against: "job_start" (the parent's logprobs,
+    # one no-grad forward over the train split before the first step: every epoch clipped against
+    # the policy that sampled) or "previous_visit" (the episode's logprobs at its last visit, epoch
+    # e-1: no extra forward, but over E epochs the policy can move ~(1 + clip)^E from its start).
+    # Measured on the default loop (one 7-cycle run each, success on never-gated problems, 3 seeds):
+    # job_start +21.0 points, drift KL 0.010 per cycle, 1.6 s more per train phase (5%);
+    # previous_visit +16.5, drift KL 0.035
+    proximal: Literal["previous_visit", "job_start"] = "job_start"
     kl_type: str = "low_var_kl"
     # quantization-aware training with the serving format's spec (the loop passes it)
     qat: bool = True
