@@ -81,7 +81,8 @@ def whole_path(cfg, ckpt: str, dataset: str) -> list[dict]:
     import dataclasses
 
     from loop.collect import endpoint
-    from loop.gate import promote_phase, requantize_phase, validate_phase
+    from loop.gate import requantize_phase, validate_phase
+    from loop.promotion import promote_phase
     from pipelines.promote import AdminClient, Registry, rollback
     from trainers.rl.manifest import load_checkpoint
 

@@ -95,7 +95,8 @@ def _phase(lp: Loop, c: CycleState, name: str, fn, load):
 def cycle(lp: Loop, k: int) -> CycleState:
     """One cycle, each phase once (a rerun after a kill starts at the phase it was in)."""
     from loop.collect import collect_phase, dataset_phase, log_collect
-    from loop.gate import promote_phase, promotion_intent, requantize_phase, validate_phase
+    from loop.gate import requantize_phase, validate_phase
+    from loop.promotion import promote_phase, promotion_intent
     from loop.speculator import SpeculatorStep, speculator_step
     from loop.train import train_phase
     from pipelines.promote import AdminClient, Outcome

@@ -1,13 +1,14 @@
-"""The loop's last three phases: requantize -> validate -> promote, each an MLflow run.
+"""The loop's requantize and validate phases (promote: loop/promotion.py), each an MLflow run.
 
     requantize  trained checkpoint -> the serving checkpoint in this machine's serving format, with
                 the layer plan searched on the dataset's train split (pipelines/requantize.py); a
                 full-precision serving format serves the trained folder as it is
     validate    the KL gate (pipelines/validate.py) on the held-out split against the version the
                 server serves now; its engine stage runs the candidate on vLLM in a child process
-                (loop/evaluate.py) for its own log-probs and eval success at the serving temperature
-    promote     a registry version for the candidate (MLflow Model Registry), then hot-swap and
-                canary, or `rejected` (pipelines/promote.py)
+                (loop/evaluate.py) for its own log-probs, then candidate and serving play the same
+                fresh eval problems there: the paired success test (pipelines/paired.py)
+    promote     (loop/promotion.py) hot-swap and canary, the registry's aliases, or `rejected`
+                (pipelines/promote.py)
 
 `loop validate CONFIG SERVING CANDIDATE` runs the gate by hand; `loop rollback CONFIG` puts the
 `previous` version back.
@@ -365,52 +366,3 @@ def canary_expectation(g, n: int):
         out.append(values[i:i + k])
         i += k
     return seqs, out
-
-
-def promotion_intent(cfg, v: Verdict, ep) -> dict:
-    """What promoting `v` will change (pipelines.promote.intent), for the caller to write down first."""
-    from pipelines.promote import AdminClient, Registry, intent
-
-    registry, server = Registry(cfg.tracking_uri, cfg.promote.model_name), AdminClient(ep.url, ep.admin_token)
-    version = registry.client.get_model_version(registry.name, v.version)
-    adopt_serving(registry, server)
-    return intent(registry, server, version, v.checkpoint_sha256)
-
-
-def adopt_serving(registry, server) -> None:
-    """A registry that never had a `serving` alias gets it on what serves now (validate registered it)."""
-    if registry.alias("serving") is None and (found := registry.version_of(server.status()["path"])) is not None:
-        registry.compare_and_set_alias("serving", None, found.version)
-
-
-def promote_phase(cfg, v: Verdict, ep, draft_path: str | None = None, plan: dict | None = None):
-    """Swap a passing candidate in (canary-checked; with its draft, when given), or record it as
-    rejected. `plan`: the promotion's intent as recorded before (promotion_intent)."""
-    import mlflow
-
-    from loop.tracking import start_run
-    from pipelines.logits import Sequences
-    from pipelines.promote import AdminClient, Registry, promote, reject
-
-    registry, server = Registry(cfg.tracking_uri, cfg.promote.model_name), AdminClient(ep.url, ep.admin_token)
-    version = registry.client.get_model_version(registry.name, v.version)
-    registry.set_alias("candidate", v.version)  # informational: the last version gated
-    adopt_serving(registry, server)
-    with start_run(cfg, "promote", tags={"phase": "promote", "registry_version": v.version}):
-        if v.passed:
-            c = v.canary
-            seqs = Sequences(tuple(map(tuple, c["ids"])), tuple(map(tuple, c["sampled"])), c["source"])
-            outcome = promote(registry, server, version, v.candidate, cfg.promote, seqs, c["expected"], draft_path,
-                              plan=plan)
-        else:
-            outcome = reject(registry, version, v.reasons)
-        mlflow.set_tags({"outcome": outcome.status, "reason": outcome.reason[:4000]})
-        mlflow.log_dict(outcome.__dict__, "promote_outcome.json")
-        if outcome.status == "serving" and v.summary.get("candidate_success") is not None:
-            registry.tag(v.version, promoted_success=v.summary["candidate_success"])  # the gate's floor
-        if outcome.swap:
-            mlflow.log_metrics({"promote/pause_s": outcome.swap.get("pause_s", 0.0), "promote/seconds": outcome.seconds,
-                                "promote/server_weight_version": outcome.swap.get("weight_version", -1)})
-    print(f"[loop] registry {registry.name} v{v.version}: {outcome.status}"
-          f"{' (' + outcome.reason + ')' if outcome.reason else ''}", flush=True)
-    return outcome

@@ -82,7 +82,8 @@ def _canary_logprobs(server, seqs) -> list[list[float]]:
 
 
 def test_rejected_candidates_leave_serving_untouched(promo, plant, tiny_base):
-    from loop.gate import promote_phase, validate_phase
+    from loop.gate import validate_phase
+    from loop.promotion import promote_phase
 
     plant_damage, noisy_copy, PLANTED = plant
     server, root = promo["server"], promo["root"]
@@ -113,7 +114,8 @@ def test_rejected_candidates_leave_serving_untouched(promo, plant, tiny_base):
 
 
 def test_good_candidate_is_promoted_and_rollback_restores_it_exactly(promo):
-    from loop.gate import promote_phase, validate_phase
+    from loop.gate import validate_phase
+    from loop.promotion import promote_phase
     server, root = promo["server"], promo["root"]
     before = server.admin("GET", "/admin/status").json()
     v = validate_phase(promo["cfg"], promo["candidate"](promo["good"]), promo["ep"], root / "run")
