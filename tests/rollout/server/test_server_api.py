@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import tempfile
 
 import aiohttp
 import httpx
@@ -292,5 +293,8 @@ def test_admin_auth(srv_main):
     assert httpx.post(url, json={"path": "/nonexistent"}).status_code == 401
     assert httpx.post(url, json={"path": "/nonexistent"}, headers={"authorization": "Bearer wrong"}).status_code == 403
     r = httpx.post(url, json={"path": "/nonexistent"}, headers={"authorization": f"Bearer {ADMIN_TOKEN}"})
+    assert r.status_code == 403 and "outside serve.weights_roots" in r.json()["error"]["message"]
+    inside = f"{tempfile.gettempdir()}/flywheel-nonexistent"  # the tests' servers allow the temp dir
+    r = httpx.post(url, json={"path": inside}, headers={"authorization": f"Bearer {ADMIN_TOKEN}"})
     assert r.status_code == 400 and "config.json" in r.json()["error"]["message"]
     assert httpx.get(srv_main.url + "/admin/status").status_code == 401
