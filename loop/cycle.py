@@ -202,13 +202,9 @@ def serving_parent(lp: Loop, status: dict) -> str:
 
 def window_served_by(cfg, dataset, sha: str) -> bool:
     """Whether any trace of the dataset's weight versions was served by weights `sha`."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     from rollout.traces import read_traces
 
-    t = read_traces(cfg.serve.trace_root, columns=["weight_version", "checkpoint_sha256"])
-    t = t.filter(pc.is_in(t["weight_version"], value_set=pa.array(list(dataset.weight_versions), pa.int64())))
+    t = read_traces(cfg.serve.trace_root, weight_versions=dataset.weight_versions, columns=["checkpoint_sha256"])
     return sha in set(t["checkpoint_sha256"].to_pylist())
 
 

@@ -56,3 +56,16 @@ def test_the_training_parent_is_what_the_server_serves(tiny_base, tmp_path, caps
     assert serving_parent(lp, {"path": other, "weight_version": 5}) == str(other_fp)
     assert state.serving == {"path": other, "fp": str(other_fp), "version": None}
     assert "as the state said" in capsys.readouterr().out
+
+
+def test_a_window_the_parent_never_served_is_not_trained_on(ds_episodes, ds_traces, ds_write, tmp_path):
+    from types import SimpleNamespace
+
+    from loop.cycle import window_served_by
+
+    _, ep = ds_episodes[0]
+    ds_write(tmp_path / "data", ds_traces(ep, "w-0-0", versions=[3, 3]))  # served by sha 0...0 as version 3
+    cfg = SimpleNamespace(serve=SimpleNamespace(trace_root=str(tmp_path / "data")))
+    assert window_served_by(cfg, SimpleNamespace(weight_versions=(3,)), "0" * 64)
+    assert not window_served_by(cfg, SimpleNamespace(weight_versions=(3,)), "1" * 64)
+    assert not window_served_by(cfg, SimpleNamespace(weight_versions=(4,)), "0" * 64)
