@@ -100,8 +100,8 @@ def cycle(lp: Loop, k: int) -> CycleState:
     from loop.speculator import SpeculatorStep, speculator_step
     from loop.train import train_phase
     from pipelines.promote import AdminClient, Outcome
-    from rollout.server.swap import layer_plan
     from pipelines.traces_to_dataset import load_manifest
+    from rollout.server.swap import layer_plan
     from trainers.rl.data import NoSignal
     from trainers.rl.manifest import PolicyCheckpoint
 

@@ -149,14 +149,6 @@ class Registry:
         found = [v for v in self.client.search_model_versions(f"name='{self.name}'") if v.source == str(path)]
         return max(found, key=lambda v: int(v.version)) if found else None
 
-    def serving_version(self, path: str, tags: dict):
-        """The version of the folder the server serves now: registered (and aliased `serving`) if new."""
-        v = self.version_of(path) or self.register(path, {**tags, "status": "serving"})
-        current = self.alias("serving")
-        if current is None or current.version != v.version:
-            self.set_alias("serving", v.version)
-        return self.client.get_model_version(self.name, v.version)
-
 
 class AliasConflict(RuntimeError):
     """An alias is not where a promotion's intent saw it."""
