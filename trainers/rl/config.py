@@ -54,9 +54,9 @@ class RLConfig:
     # the policy that sampled) or "previous_visit" (the episode's logprobs at its last visit, epoch
     # e-1: no extra forward, but over E epochs the policy can move ~(1 + clip)^E from its start).
     # Measured on the default loop (success on never-gated problems, 3 sampling seeds): job_start
-    # +21.0 (7 cycles) and +16.3 (10 cycles), mean drift KL per cycle 0.010 and 0.026, 1.6 s more
-    # per train phase (5%); previous_visit +16.5 (7 cycles), drift KL 0.035. Efficacy: within
-    # run-to-run noise; drift: lower in both runs
+    # +21.0 and +15.5 (7 cycles), +16.3 (10 cycles), mean drift KL per cycle 0.010, 0.019, 0.026,
+    # 1.6 s more per train phase (5%); previous_visit +16.5 (7 cycles), drift KL 0.035. Efficacy:
+    # within run-to-run noise; drift: lower in every run
     proximal: Literal["previous_visit", "job_start"] = "job_start"
     kl_type: str = "low_var_kl"
     # quantization-aware training with the serving format's spec (the loop passes it)
