@@ -158,6 +158,11 @@ def test_the_loop_refreshes_a_draft_whose_live_acceptance_fell_behind(srv_spec, 
 
     from transformers import AutoConfig
 
+    # a draft far from its target (the test must not lean on what an earlier test left serving)
+    before = srv_spec.admin("GET", "/admin/status").json()
+    poor = perturbed_copy(tiny_base.path, tmp_path / "poor_draft", scale=3.0, seed=3)
+    r = srv_spec.admin("POST", "/admin/weights", json={"path": before["path"], "draft_path": str(poor)})
+    assert r.status_code == 200, r.text
     status = srv_spec.admin("GET", "/admin/status").json()
     served = AutoConfig.from_pretrained(status["draft_path"])
     started = datetime.now(timezone.utc)
