@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pipelines.artifacts import MANIFEST, file_sha256
+from rollout.artifacts import MANIFEST, file_sha256
 from trainers.bootstrap.model import ModelConfig
 from trainers.bootstrap.sft import SFTConfig
 

@@ -46,9 +46,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["eval"]:  # its own flags: loop/evaluate.py
-        from loop.evaluate import main as evaluate
-
-        return evaluate(argv[1:])
+        return eval_main(argv[1:])
     if argv[:1] in (["validate"], ["rollback"]):  # their own flags: loop/manual.py
         from loop.manual import rollback_main, validate_main
 
@@ -100,6 +98,39 @@ def main(argv: list[str] | None = None) -> int:
         bootstrap_phase(cfg)
         return 0
     return run(cfg)
+
+
+def eval_main(argv: list[str]) -> int:
+    """`loop eval` (also the gate's child process: loop.evaluate.served_success)."""
+    from loop.config import load_config
+    from loop.evaluate import evaluate_here
+
+    p = argparse.ArgumentParser(prog="loop eval", description="task success of MODEL as served (quantized) on vLLM")
+    p.add_argument("config")
+    p.add_argument("model")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--quant", default="auto")
+    p.add_argument("--temperature", type=float, nargs="+", default=[1.0])
+    p.add_argument("--json", action="store_true", help="print only the result as one JSON line")
+    p.add_argument("--logprobs", nargs=2, metavar=("SEQS_JSON", "OUT_PT"),
+                   help="also save the engine's prompt log-probs of {ids, scored} sequences")
+    p.add_argument("--logprobs-k", type=int, default=20)
+    p.add_argument("--paired", help="a second model played on the same problems after the first (the gate's test)")
+    p.add_argument("--eval-seed", help="which eval problems (default: task.seed)")
+    a = p.parse_intermixed_args(argv)
+    try:
+        cfg = load_config(a.config, a.overrides)
+        result = evaluate_here(cfg, a.model, a.quant, tuple(a.temperature),
+                               (*a.logprobs, a.logprobs_k) if a.logprobs else None, a.paired, a.eval_seed)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if not a.json:
+        print(f"{result['model']} served as {result['fmt']} ({result['kernel_build']}): " +
+              ", ".join(f"success at {k} {v:.1%}" for k, v in result.items() if k.startswith("T=")) +
+              f" on {result['num_problems']} eval problems")
+    print(json.dumps(result))
+    return 0
 
 
 if __name__ == "__main__":

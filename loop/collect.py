@@ -223,7 +223,7 @@ def log_dataset_input(dataset) -> None:
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
 
-    from pipelines.artifacts import MANIFEST, file_sha256
+    from rollout.artifacts import MANIFEST, file_sha256
 
     w = dataset.parent
     with warnings.catch_warnings():  # "inferred a LocalArtifactDatasetSource": what is meant here

@@ -11,7 +11,6 @@ from pathlib import Path
 from loop.bootstrap import BootstrapConfig, TaskConfig
 from loop.collect import CollectConfig, DatasetPhaseConfig
 from loop.configs import load
-from loop.cycle import CycleConfig
 from pipelines.promote import PromoteConfig
 from pipelines.requantize import RequantizeConfig
 from pipelines.speculator import SpeculatorConfig
@@ -34,6 +33,16 @@ class MlflowConfig:
             raise ValueError("tracking_uri holds a password, which would be logged with the config; give the "
                              "URI without it and the credentials in MLFLOW_TRACKING_USERNAME / "
                              "MLFLOW_TRACKING_PASSWORD (MLflow reads them from the environment)")
+
+
+@dataclass
+class CycleConfig:
+    cycles: int = 3  # cycles per `loop run`
+    problem_seed_stride: int = 1  # cycle k collects collect.problem_seed + (k-1)*stride: fresh problems
+
+    def __post_init__(self):
+        if isinstance(self.cycles, bool) or not isinstance(self.cycles, int) or self.cycles < 1:
+            raise ValueError(f"cycles must be an int >= 1, got {self.cycles!r}")
 
 
 @dataclass

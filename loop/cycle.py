@@ -27,16 +27,6 @@ from loop.state import CycleState, LoopState
 PHASES = ("collect", "build_dataset", "train", "requantize", "validate", "speculator", "promote")
 
 
-@dataclass
-class CycleConfig:
-    cycles: int = 3  # cycles per `loop run`
-    problem_seed_stride: int = 1  # cycle k collects collect.problem_seed + (k-1)*stride: fresh problems
-
-    def __post_init__(self):
-        if isinstance(self.cycles, bool) or not isinstance(self.cycles, int) or self.cycles < 1:
-            raise ValueError(f"cycles must be an int >= 1, got {self.cycles!r}")
-
-
 class Display:
     """One status line at each phase's start: cycle k/N, phase, elapsed, and the latest reward,
     eval success, KL and throughput (the train phase's own progress bar runs under it)."""

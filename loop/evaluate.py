@@ -2,6 +2,7 @@
 would: loop.serving.resolve), run on the vLLM engine, on the task's eval split.
 
     loop eval CONFIG MODEL [key=value ...] [--quant auto|w4a16|w8a8|none] [--temperature 1.0 0]
+    (its command line: loop/cli.py `eval_main`, which loads the config; nothing here does)
 
 Each evaluation runs its engine in a child process (`served_success`), so one process can compare
 many checkpoints and formats without engines piling up in it.
@@ -95,7 +96,7 @@ def served_success(config: str, model: str, quant: str, overrides: list[str] = (
     """`evaluate_here` in a child process (its engine goes when it exits). The child runs vLLM's
     engine core and worker in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=0): an offline
     evaluation needs no separate processes, and the engine starts in ~7 s instead of ~25 s here."""
-    cmd = [sys.executable, "-m", "loop.evaluate", config, str(model), *overrides, "--quant", quant,
+    cmd = [sys.executable, "-m", "loop.cli", "eval", config, str(model), *overrides, "--quant", quant,
            "--temperature", *map(str, temperatures), "--json"]
     if logprobs:
         cmd += ["--logprobs", logprobs[0], logprobs[1], "--logprobs-k", str(logprobs[2])]
@@ -109,41 +110,3 @@ def served_success(config: str, model: str, quant: str, overrides: list[str] = (
         raise RuntimeError(f"evaluation of {model} ({quant}) failed:\n{proc.stderr[-3000:]}")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"model"')]  # vLLM logs to stdout too
     return json.loads(lines[-1])
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    from loop.config import load_config
-    from loop.configs import ConfigError
-
-    p = argparse.ArgumentParser(prog="loop eval", description=__doc__.splitlines()[0])
-    p.add_argument("config")
-    p.add_argument("model")
-    p.add_argument("overrides", nargs="*")
-    p.add_argument("--quant", default="auto")
-    p.add_argument("--temperature", type=float, nargs="+", default=[1.0])
-    p.add_argument("--json", action="store_true", help="print only the result as one JSON line")
-    p.add_argument("--logprobs", nargs=2, metavar=("SEQS_JSON", "OUT_PT"),
-                   help="also save the engine's prompt log-probs of {ids, scored} sequences")
-    p.add_argument("--logprobs-k", type=int, default=20)
-    p.add_argument("--paired", help="a second model played on the same problems after the first (the gate's test)")
-    p.add_argument("--eval-seed", help="which eval problems (default: task.seed)")
-    a = p.parse_intermixed_args(argv)
-    try:
-        cfg = load_config(a.config, a.overrides)
-        result = evaluate_here(cfg, a.model, a.quant, tuple(a.temperature),
-                               (*a.logprobs, a.logprobs_k) if a.logprobs else None, a.paired, a.eval_seed)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    if not a.json:
-        print(f"{result['model']} served as {result['fmt']} ({result['kernel_build']}): " +
-              ", ".join(f"success at {k} {v:.1%}" for k, v in result.items() if k.startswith("T=")) +
-              f" on {result['num_problems']} eval problems")
-    print(json.dumps(result))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -233,7 +233,7 @@ def validate_phase(cfg, cand: Candidate, ep, run_dir: Path, tags: dict | None = 
     from loop.tracking import start_run
     from pipelines.promote import AdminClient, Registry
 
-    from pipelines.artifacts import checkpoint_sha256
+    from rollout.artifacts import checkpoint_sha256
 
     server = AdminClient(ep.url, ep.admin_token)
     status = server.status()

@@ -78,7 +78,7 @@ def resolve(cfg, model: str, caps: Capabilities | None = None) -> Served:
 
 def quantized_for_serving(model: str, fmt: str, group_size: int, dtype: str, cache_dir: str) -> str:
     from pipelines.quantize import MANIFEST_NAME, quantize_checkpoint
-    from pipelines.artifacts import folder_sha256
+    from rollout.artifacts import folder_sha256
 
     spec = serving_spec(fmt, group_size, "float16" if dtype == "float16" else "bfloat16")
     tag = f"{fmt}-g{group_size}-{spec.scale_dtype}" if fmt == "w4a16" else fmt

@@ -49,7 +49,7 @@ def dataset_sequences(dataset: str | Path, split: str, max_sequences: int, seed:
     same draw on every machine), each checked against the files the manifest lists."""
     import pyarrow.parquet as pq
 
-    from pipelines.artifacts import file_sha256
+    from rollout.artifacts import file_sha256
     from pipelines.dataset.manifest import load_manifest
 
     folder = Path(dataset)

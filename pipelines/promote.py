@@ -230,7 +230,7 @@ def promote(registry: Registry, server: AdminClient, version, path: str, cfg: Pr
 
 
 def _sha_of(path: str) -> str:
-    from pipelines.artifacts import checkpoint_sha256
+    from rollout.artifacts import checkpoint_sha256
 
     return checkpoint_sha256(path)
 

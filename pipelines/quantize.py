@@ -33,7 +33,7 @@ from torch import nn
 
 from kernels import QuantizedLinear, QuantSpec, compress_weight, quant_targets
 from kernels.layers import check_fused, ignore_list, linear_names
-from pipelines.artifacts import MANIFEST, file_sha256
+from rollout.artifacts import MANIFEST, file_sha256
 
 MANIFEST_NAME = MANIFEST  # the one artifact manifest name; the parent's is never copied
 SCHEMA_VERSION = 1

@@ -108,7 +108,7 @@ def check_candidate(folder: str | Path, serving: str | Path | None = None) -> st
             raise CandidateError(e.message) from None
     if not (folder / "config.json").is_file():
         raise CandidateError(f"{folder}: not a Hugging Face folder (no config.json)")
-    from pipelines.artifacts import checkpoint_sha256
+    from rollout.artifacts import checkpoint_sha256
 
     return checkpoint_sha256(folder)
 

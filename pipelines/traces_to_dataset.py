@@ -36,7 +36,7 @@ from pipelines.dataset.assemble import (READ_COLUMNS, EpisodeTokens, TokenColumn
                                        first_prompts, order_episodes)
 from pipelines.dataset.manifest import (DATASET_SCHEMA, DatasetConfig, RLDatasetManifest, TraceWindow,
                                         load_manifest, save_manifest)
-from pipelines.artifacts import file_sha256
+from rollout.artifacts import file_sha256
 from pipelines.rewards import EpisodeRecord, load_fn, score
 from rollout.traces import Feedback, read_feedback, read_traces
 from rollout.traces.feedback import ABANDONED

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 
 from pipelines.dataset.manifest import RLDatasetManifest
 from pipelines.rewards import EpisodeRecord, load_fn
-from pipelines.artifacts import MANIFEST, file_sha256
+from rollout.artifacts import MANIFEST, file_sha256
 
 VERL_SCHEMA_VERSION = 1
 

@@ -196,7 +196,7 @@ def _rehash(folder: Path) -> None:
     """Record the folder's files as they are now in its manifest (damage that a manifest hides)."""
     import json
 
-    from pipelines.artifacts import file_sha256
+    from rollout.artifacts import file_sha256
 
     m = json.loads((folder / "flywheel_manifest.json").read_text())
     m["files"] = {p.name: file_sha256(p) for p in folder.iterdir() if p.is_file() and p.name != "flywheel_manifest.json"}

@@ -17,7 +17,7 @@ from typing import Literal
 import pyarrow as pa
 
 from pipelines.rewards import DEFAULT_REWARD_FN, FEEDBACK_MODES, FeedbackMode, load_fn
-from pipelines.artifacts import MANIFEST
+from rollout.artifacts import MANIFEST
 from rollout.traces.schema import LOGPROBS_MODES
 
 DATASET_SCHEMA_VERSION = 2  # 2: per-token sampling temperatures

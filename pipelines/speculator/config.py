@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pipelines.artifacts import MANIFEST, files_sha256
+from rollout.artifacts import MANIFEST, files_sha256
 
 
 @dataclass

@@ -24,7 +24,7 @@ import torch
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
-from pipelines.artifacts import checkpoint_sha256
+from rollout.artifacts import checkpoint_sha256
 from pipelines.logits import Sequences, batches
 from pipelines.speculator.acceptance import expected_acceptance
 from pipelines.speculator.config import DraftShape, SpeculatorConfig, SpeculatorManifest

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipelines.artifacts import MANIFEST, checkpoint_sha256, file_sha256, manifest_files
+from rollout.artifacts import MANIFEST, checkpoint_sha256, file_sha256, manifest_files
 from rollout.capabilities import detect, serving_format
 from rollout.server.tracing import quant_format
 

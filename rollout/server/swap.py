@@ -43,7 +43,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelines.artifacts import checkpoint_sha256
+from rollout.artifacts import checkpoint_sha256
 from rollout.capabilities import detect, serving_format
 from rollout.server.checks import SwapError, check_folder, check_origin, layer_plan, needs_new_engine  # noqa: F401
 from rollout.server.engine import TracingEngine, WeightState

@@ -27,7 +27,6 @@ removes the directory.
 from __future__ import annotations
 
 import atexit
-import fcntl
 import logging
 import os
 import queue
@@ -39,6 +38,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from rollout.traces.owners import create_locked_dir, dead_writers, remove_tree
 from rollout.traces.parts import fsync_dir, make_dirs, write_parts
 from rollout.traces.wal import SegmentWriter, list_segments, new_segment_path, read_segment
 
@@ -94,7 +94,7 @@ class PartitionedLog:
             make_dirs(d)
         writer_id = uuid.uuid4().hex[:16]
         self.wal_dir, self.tmp_dir = self.wal_root / writer_id, self.tmp_root / writer_id
-        self._lock_fd = self._create_locked_dir(self.wal_dir)
+        self._lock_fd = create_locked_dir(self.wal_dir)
         self.tmp_dir.mkdir()
 
         # counters, each written by one thread only
@@ -122,34 +122,12 @@ class PartitionedLog:
         atexit.register(self.close)  # an interpreter exit without close() still flushes
 
     # ---- start: own directory, adoption of dead writers' WALs ---------------------------------
-    def _create_locked_dir(self, final: Path) -> int:
-        staging = final.with_name(f".new-{final.name}")
-        staging.mkdir()
-        fd = os.open(staging / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else can know this directory yet
-        os.rename(staging, final)
-        fsync_dir(final.parent)
-        return fd
-
     def _adopt_dead_writers(self) -> None:
-        for wal in sorted(self.wal_root.iterdir()):
-            if wal == self.wal_dir or not wal.is_dir() or wal.name.startswith(".new-"):
-                continue  # (a staging directory holds no segment)
-            try:
-                fd = os.open(wal / "LOCK", os.O_RDWR)
-            except FileNotFoundError:  # another writer is removing it
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # a live writer
-                os.close(fd)
-                continue
+        for wal in dead_writers(self.wal_root, self.wal_dir):
             try:
                 self._replay(wal)
             except FileNotFoundError:  # adopted and removed by another writer meanwhile
                 pass
-            finally:
-                os.close(fd)
 
     def _replay(self, wal: Path) -> None:
         failed = 0
@@ -163,9 +141,9 @@ class PartitionedLog:
                 continue
             self.replayed_rows += rows
             log.info("replayed %s: %d rows", seg, rows)
-        _remove_tree(self.tmp_root / wal.name)  # its unfinished parts
+        remove_tree(self.tmp_root / wal.name)  # its unfinished parts
         if not failed:
-            _remove_tree(wal)
+            remove_tree(wal)
             fsync_dir(self.wal_root)
 
     # ---- caller side -------------------------------------------------------------------
@@ -211,9 +189,9 @@ class PartitionedLog:
         finally:
             self._committer.join()
             self._converter.join()
-            _remove_tree(self.tmp_dir)
+            remove_tree(self.tmp_dir)
             if not self._failed:
-                _remove_tree(self.wal_dir)  # else left for the next writer to adopt
+                remove_tree(self.wal_dir)  # else left for the next writer to adopt
             os.close(self._lock_fd)
             self._lock_fd = -1
 
@@ -398,11 +376,3 @@ class PartitionedLog:
         self.parquet_parts += len(parts)
         return table.num_rows, size
 
-
-def _remove_tree(path: Path) -> None:
-    """Remove a flat directory (files only) if it exists."""
-    if not path.is_dir():
-        return
-    for p in path.iterdir():
-        p.unlink(missing_ok=True)
-    path.rmdir()

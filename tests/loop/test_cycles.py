@@ -83,7 +83,7 @@ def test_two_cycles_promote_serve_and_trace_the_new_version(two_cycles, tiny_bas
     import mlflow
     import pyarrow.parquet as pq
 
-    from pipelines.artifacts import checkpoint_sha256
+    from rollout.artifacts import checkpoint_sha256
 
     run_dir, out = two_cycles
     assert f"base model {tiny_base.path}" in out.stdout

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from kernels import QuantSpec
-from pipelines.artifacts import MANIFEST, file_sha256
+from rollout.artifacts import MANIFEST, file_sha256
 from trainers.rl.config import RLConfig
 from trainers.rl.data import DatasetError
 from trainers.rl.manifest import load_checkpoint

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from pipelines.artifacts import file_sha256
+from rollout.artifacts import file_sha256
 from pipelines.dataset.manifest import DATASET_SCHEMA, RLDatasetManifest, load_manifest
 
 COLUMNS = ("episode_id", "group_id", "input_ids", "assistant_mask", "behaviour_logprobs", "weight_versions",

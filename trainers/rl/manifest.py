@@ -9,7 +9,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pipelines.artifacts import MANIFEST
+from rollout.artifacts import MANIFEST
 
 SCHEMA_VERSION = 1
 
@@ -18,7 +18,7 @@ SCHEMA_VERSION = 1
 class PolicyCheckpoint:
     path: str
     parent: str  # the checkpoint trained from (a Hugging Face folder)
-    parent_sha256: str  # pipelines.artifacts.checkpoint_sha256 of its weights
+    parent_sha256: str  # rollout.artifacts.checkpoint_sha256 of its weights
     dataset: str  # the RL dataset folder
     dataset_manifest_sha256: str  # sha256 of its manifest file (which holds every data file's hash)
     spec: dict | None  # the QuantSpec QAT trained through (kernels.QuantSpec.to_dict()); None: no QAT

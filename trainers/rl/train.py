@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from pipelines.artifacts import MANIFEST, checkpoint_sha256, file_sha256
+from rollout.artifacts import MANIFEST, checkpoint_sha256, file_sha256
 from trainers.rl.config import RLConfig
 from trainers.rl.data import Episodes, check_dataset, load_episodes
 from trainers.rl.manifest import PolicyCheckpoint, save_manifest

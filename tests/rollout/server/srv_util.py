@@ -84,7 +84,7 @@ def perturbed_copy(src: str | Path, dst: Path, scale: float = 0.05, seed: int = 
 
 def write_test_manifest(folder: Path) -> None:
     """A manifest recording the folder's files as they are (the swap loads nothing without one)."""
-    from pipelines.artifacts import MANIFEST, files_sha256
+    from rollout.artifacts import MANIFEST, files_sha256
 
     (Path(folder) / MANIFEST).write_text(json.dumps({"kind": "test_copy", "files": files_sha256(folder)}))
 

@@ -4,8 +4,8 @@ A base model, a quantized checkpoint, an RL dataset and its verl export each hol
 `flywheel_manifest.json` (their own typed manifest, with each file's sha256), written last and
 atomically. A stage that derives a folder from another writes its own manifest and never copies
 the parent's. The serving side checks a folder against it before a hot-swap; the loop and the
-pipelines and the trainers write them. (Here, in the artifact stages' package: rollout/ and
-trainers/ import it, and nothing of each other or of the loop.)
+pipelines and the trainers write them. It lives at the bottom (rollout/, where the server checks
+folders) and imports nothing of ours: the one module of rollout/ that trainers/ may import.
 """
 
 from __future__ import annotations
