@@ -72,10 +72,12 @@ def train_phase(cfg, parent: str, dataset, run_dir: Path, full_precision: tuple[
                             **{f"train_data/{k}": v for k, v in ckpt.data.items()}})
         mlflow.log_dict(ckpt.to_dict(), "checkpoint_manifest.json")
         mlflow.set_tag("checkpoint_path", ckpt.path)
+        mlflow.set_tags({"adv_estimator": ckpt.adv_estimator, "adv_estimator_reason": ckpt.adv_estimator_reason})
         for key, title in CURVES:
             log_curve(ckpt.history, key, key.replace("/", "_") + ".png", f"train: {title}")
     m = ckpt.metrics
-    print(f"[loop] checkpoint {ckpt.path}: {m['steps']} steps on {ckpt.data['episodes']} episodes "
+    print(f"[loop] checkpoint {ckpt.path}: {m['steps']} steps on {ckpt.data['episodes']} episodes, "
+          f"{ckpt.adv_estimator} advantages ({ckpt.adv_estimator_reason}) "
           f"({ckpt.data['groups']} groups with signal; {ckpt.data.get('groups_all_equal_reward', 0)} all-equal left "
           f"out) in {ckpt.wall_seconds:.0f}s, {m['tokens_per_s']:.0f} sampled tokens/s; loss {m['loss_first']:.4f} -> "
           f"{m['loss_last']:.4f}, train/behaviour mismatch {m['mismatch_first']:.4f} -> {m['mismatch_last']:.4f}; "

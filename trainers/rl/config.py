@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-ADV_ESTIMATORS = ("grpo", "rloo", "opo")  # verl's outcome-reward estimators that take a group index
+# verl's outcome-reward estimators: group baselines (grpo, rloo, opo), and two that train on
+# ungrouped traffic; "auto" picks from the data (trainers/rl/data.py resolve_estimator)
+ADV_ESTIMATORS = ("auto", "grpo", "rloo", "opo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 POLICY_LOSSES = ("vanilla", "gspo", "gpg", "cispo", "geo_mean", "dppo_tv")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 KL_TYPES = ("kl", "abs", "mse", "low_var_kl")
@@ -33,7 +35,7 @@ class RLConfig:
     prefix_rows: int = 4
     seed: int = 0  # model-independent: shuffling and anything random in the step
     # algorithm: verl's core_algos, by name
-    adv_estimator: str = "grpo"
+    adv_estimator: str = "auto"  # grouped data: grpo; singletons: reinforce_plus_plus; both: its baseline form
     norm_adv_by_std: bool = True  # False: Dr. GRPO
     min_group_size: int = 2  # a group of one has no baseline: counted, not trained on
     policy_loss: str = "vanilla"  # PPO clip, dual-clip at clip_ratio_c

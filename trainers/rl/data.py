@@ -3,9 +3,16 @@
 Everything is checked before the first step: the manifest, every file's sha256 (a truncated or
 swapped file fails here, naming it), the Parquet schema against DATASET_SCHEMA, the row count
 and each row's list lengths. Advantages come from verl's estimator over the whole split, once:
-rewards are fixed, so they do not change while training. Groups smaller than `min_group_size`
-(no baseline) and groups whose rewards are all equal (zero advantage: no signal) are counted and
-left out.
+rewards are fixed, so they do not change while training.
+
+Grouped or not. The loop's own collector plays each problem in a GRPO group; an outside agent's
+production traffic arrives one episode per prompt. `resolve_estimator` picks verl's estimator
+from the data when the config says `auto`: GRPO where every group has `min_group_size` episodes,
+REINFORCE++ (returns whitened over the batch: no group needed) where none has, and REINFORCE++
+with a group-mean baseline (singletons keep their raw reward, then the batch is whitened) where
+both kinds arrive. Group-baseline estimators (grpo, rloo, opo) leave out groups smaller than
+`min_group_size`; groups whose rewards are all equal carry no signal under any group baseline and
+are left out; a batch whose rewards are all equal has nothing to learn. All of it is counted.
 
 Shapes: an episode of n tokens predicts tokens 1..n-1, so its per-token training tensors have
 n-1 entries: entry t is about token t+1 (logits at position t).
@@ -77,6 +84,8 @@ class Episodes:
     group_ids: list[str]
     counts: dict[str, int]  # episodes/groups kept and left out, by reason
     temperatures: list[torch.Tensor] | None = None  # (n_i - 1,): token t+1's sampling temperature
+    estimator: str = "grpo"  # verl's advantage estimator the advantages came from
+    estimator_reason: str = ""  # why (trainer.adv_estimator, or what `auto` saw in the data)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -147,10 +156,42 @@ def check_dataset(path: str | Path) -> RLDatasetManifest:
     return replace(manifest, path=str(path))  # where it is now (a dataset folder can be moved)
 
 
+GROUP_BASELINE = ("grpo", "rloo", "opo")  # need every episode in a group of >= min_group_size
+UNGROUPED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")  # singletons are training data
+
+
+def resolve_estimator(requested: str, group_sizes: list[int], min_group_size: int = 2) -> tuple[str, str]:
+    """(verl estimator name, why) for data whose groups have `group_sizes` episodes each."""
+    if requested != "auto":
+        return requested, "set in trainer.adv_estimator"
+    grouped = sum(1 for n in group_sizes if n >= min_group_size)
+    if grouped == len(group_sizes):
+        return "grpo", f"auto: all {grouped} groups have >= {min_group_size} episodes"
+    if grouped == 0:
+        return "reinforce_plus_plus", f"auto: no group has {min_group_size} episodes ({len(group_sizes)} singletons or small)"
+    return "reinforce_plus_plus_baseline", (f"auto: {grouped} groups of >= {min_group_size} episodes beside "
+                                            f"{len(group_sizes) - grouped} smaller ones")
+
+
+def _advantages(name: str, token_rewards: torch.Tensor, mask: torch.Tensor, index: np.ndarray,
+                norm_adv_by_std: bool) -> torch.Tensor:
+    from verl.trainer.config.algorithm import AlgoConfig
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+
+    fn = get_adv_estimator_fn(name)
+    if name == "grpo":
+        return fn(token_level_rewards=token_rewards, response_mask=mask, index=index,
+                  norm_adv_by_std_in_grpo=norm_adv_by_std)[0]
+    config = AlgoConfig(gamma=1.0, norm_adv_by_std_in_grpo=norm_adv_by_std)
+    if name == "reinforce_plus_plus":
+        return fn(token_level_rewards=token_rewards, response_mask=mask, config=config)[0]
+    return fn(token_level_rewards=token_rewards, response_mask=mask, index=index, config=config)[0]
+
+
 def load_episodes(manifest: RLDatasetManifest, adv_estimator: str = "grpo", norm_adv_by_std: bool = True,
                   min_group_size: int = 2, split: str = "train") -> Episodes:
-    """Read `split` of a checked dataset and compute its advantages with verl's estimator."""
-    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+    """Read `split` of a checked dataset and compute its advantages with verl's estimator
+    (`auto`: chosen from the data, `resolve_estimator`; the choice is in the result)."""
 
     files = manifest.files_of(split)
     table = pa.concat_tables([pq.read_table(f, columns=list(COLUMNS)) for f in files]) if files else None
@@ -165,45 +206,49 @@ def load_episodes(manifest: RLDatasetManifest, adv_estimator: str = "grpo", norm
                 == len(r["temperatures"]) == n >= 2):
             raise DatasetError(f"{manifest.path}: episode {r['episode_id']}: per-token lists of different lengths")
     sizes = Counter(r["group_id"] for r in rows)
+    estimator, why = resolve_estimator(adv_estimator, list(sizes.values()), min_group_size)
     counts = Counter()
     keep = []
     for r in rows:
-        if sizes[r["group_id"]] < min_group_size:
+        if estimator in GROUP_BASELINE and sizes[r["group_id"]] < min_group_size:
             counts["episodes_in_small_groups"] += 1
         elif not any(r["assistant_mask"][1:]):
             counts["episodes_without_sampled_tokens"] += 1
         else:
             keep.append(r)
+    by_group: dict[str, list] = {}
+    for r in keep:
+        by_group.setdefault(r["group_id"], []).append(float(r["reward"]))
+    flat = {g for g, v in by_group.items() if len(v) > 1 and len(set(v)) == 1}  # no signal against its mean
+    if len({float(r["reward"]) for r in keep}) < 2:
+        flat = set(by_group)  # one reward for the whole batch: nothing to learn under any estimator
+    signal_rows = [r for r in keep if r["group_id"] not in flat]
+    counts.update(episodes_read=len(rows), groups_read=len(sizes), groups_all_equal_reward=len(flat),
+                  episodes_all_equal_reward=len(keep) - len(signal_rows), episodes=len(signal_rows),
+                  groups=len(by_group) - len(flat),
+                  singletons=sum(1 for g, v in by_group.items() if len(v) == 1 and g not in flat))
     if not keep:
         raise NoSignal(f"{manifest.path}: no trainable episodes in {split} ({dict(counts)})")
+    if not signal_rows:
+        raise NoSignal(f"{manifest.path}: every group's rewards are all equal: nothing to learn ({dict(counts)})")
 
-    n = max(len(r["input_ids"]) for r in keep) - 1
-    mask = torch.zeros((len(keep), n))
-    rewards = torch.tensor([float(r["reward"]) for r in keep])
-    for i, r in enumerate(keep):
+    n = max(len(r["input_ids"]) for r in signal_rows) - 1
+    mask = torch.zeros((len(signal_rows), n))
+    rewards = torch.tensor([float(r["reward"]) for r in signal_rows])
+    for i, r in enumerate(signal_rows):
         mask[i, :len(r["input_ids"]) - 1] = torch.tensor(r["assistant_mask"][1:], dtype=torch.float32)
     token_rewards = torch.zeros_like(mask)
     last = (mask * torch.arange(n)).argmax(dim=1)  # the outcome reward sits on the last sampled token
-    token_rewards[torch.arange(len(keep)), last] = rewards
-    index = np.array([r["group_id"] for r in keep], dtype=object)
-    adv, _ = get_adv_estimator_fn(adv_estimator)(token_level_rewards=token_rewards, response_mask=mask, index=index,
-                                                 norm_adv_by_std_in_grpo=norm_adv_by_std)
-    by_group: dict[str, set] = {}
-    for r in keep:
-        by_group.setdefault(r["group_id"], set()).add(float(r["reward"]))
-    flat = {g for g, v in by_group.items() if len(v) == 1}
-    signal = [i for i, r in enumerate(keep) if r["group_id"] not in flat]
-    counts.update(episodes_read=len(rows), groups_read=len(sizes), groups_all_equal_reward=len(flat),
-                  episodes_all_equal_reward=len(keep) - len(signal), episodes=len(signal),
-                  groups=len(by_group) - len(flat))
-    if not signal:
-        raise NoSignal(f"{manifest.path}: every group's rewards are all equal: nothing to learn ({dict(counts)})")
-    ep = [keep[i] for i in signal]
+    token_rewards[torch.arange(len(signal_rows)), last] = rewards
+    index = np.array([r["group_id"] for r in signal_rows], dtype=object)
+    adv = _advantages(estimator, token_rewards, mask, index, norm_adv_by_std)
+    ep = signal_rows
     lengths = [len(r["input_ids"]) - 1 for r in ep]
     return Episodes(
         input_ids=[torch.tensor(r["input_ids"], dtype=torch.long) for r in ep],
-        loss_mask=[mask[i, :k].clone() for i, k in zip(signal, lengths)],
+        loss_mask=[mask[i, :k].clone() for i, k in enumerate(lengths)],
         behaviour_logprobs=[torch.tensor(r["behaviour_logprobs"][1:], dtype=torch.float32) for r in ep],
-        advantages=[adv[i, :k].clone() for i, k in zip(signal, lengths)],
-        rewards=rewards[signal], group_ids=[r["group_id"] for r in ep], counts=dict(counts),
-        temperatures=[torch.tensor(r["temperatures"][1:], dtype=torch.float32) for r in ep])
+        advantages=[adv[i, :k].clone() for i, k in enumerate(lengths)],
+        rewards=rewards, group_ids=[r["group_id"] for r in ep], counts=dict(counts),
+        temperatures=[torch.tensor(r["temperatures"][1:], dtype=torch.float32) for r in ep],
+        estimator=estimator, estimator_reason=why)

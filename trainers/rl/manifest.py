@@ -30,6 +30,8 @@ class PolicyCheckpoint:
     world_size: int
     files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
     created_at: str = ""
+    adv_estimator: str = ""  # the verl estimator the advantages came from (`auto` resolved on the data)
+    adv_estimator_reason: str = ""
     kind: str = "policy_checkpoint"
     schema_version: int = SCHEMA_VERSION
 

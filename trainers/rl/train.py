@@ -300,7 +300,8 @@ def save(model, job: TrainJob, episodes: Episodes, history: list[dict], seconds:
             config=asdict(job.rl), data=episodes.counts, history=history,
             metrics={**summarize(history, seconds), "ranks_max_param_diff": divergence},
             wall_seconds=round(seconds, 2), world_size=world, files=files,
-            created_at=datetime.now(timezone.utc).isoformat())
+            created_at=datetime.now(timezone.utc).isoformat(), adv_estimator=episodes.estimator,
+            adv_estimator_reason=episodes.estimator_reason)
         save_manifest(manifest, tmp)
         tmp.rename(out)
     except BaseException:

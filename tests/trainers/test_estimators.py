@@ -1,0 +1,90 @@
+"""Grouped or not: `trainer.adv_estimator: auto` picks verl's estimator from the data (GRPO over
+groups, REINFORCE++ over singletons, its group-baseline form over both), the advantages are verl's
+own, and the choice reaches the checkpoint's manifest. Singletons are training data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trainers.rl.data import NoSignal, check_dataset, load_episodes, resolve_estimator
+
+
+def _dataset(ds_episodes, ds_traces, ds_write, tokenizer, root, episode_id, reward):
+    """The shared episodes (2 problems x 4 samples) under ids `episode_id(i)` with rewards `reward(i)`."""
+    from pipelines.traces_to_dataset import DatasetConfig, build_dataset
+    from rollout.traces import Feedback
+
+    traces, feedback = [], []
+    for i, (_, ep) in enumerate(ds_episodes):
+        tr = ds_traces(ep, episode_id(i))
+        traces += tr
+        feedback.append(Feedback(trace_id=tr[-1].trace_id, episode_id=tr[-1].episode_id, reward=float(reward(i)),
+                                 source="env:planted", created_at=tr[-1].created_at))
+    ds_write(root / "data", traces, feedback)
+    return build_dataset(DatasetConfig(trace_root=root / "data", out_dir=root / "ds", tokenizer=tokenizer,
+                                       heldout_fraction=0.0, feedback_mode="override"))
+
+
+@pytest.fixture(scope="module")
+def datasets(ds_episodes, ds_traces, ds_write, ds_tokenizer_path, tmp_path_factory):
+    """grouped: two rounds' groups of 4; singletons: every episode its own round (played once, as
+    an outside agent's users do); mixed: the first problem's 4 grouped, the second's alone."""
+    make = lambda name, ids: _dataset(ds_episodes, ds_traces, ds_write, ds_tokenizer_path,  # noqa: E731
+                                      tmp_path_factory.mktemp(name), ids, lambda i: i % 2)
+    return {"grouped": make("grouped", lambda i: f"rl-{i // 4}-{i % 4}"),
+            "singletons": make("singletons", lambda i: f"user{i}-0"),
+            "mixed": make("mixed", lambda i: f"rl-0-{i}" if i < 4 else f"user{i}-0")}
+
+
+@pytest.mark.parametrize("sizes, want", [([4, 4], "grpo"), ([1] * 8, "reinforce_plus_plus"),
+                                         ([4, 1, 1, 1, 1], "reinforce_plus_plus_baseline"), ([2, 2, 2], "grpo")])
+def test_auto_reads_the_group_sizes(sizes, want):
+    name, why = resolve_estimator("auto", sizes)
+    assert name == want and why.startswith("auto")
+    assert resolve_estimator("rloo", sizes) == ("rloo", "set in trainer.adv_estimator")
+
+
+def _padded(xs):
+    n = max(x.numel() for x in xs)
+    return torch.stack([torch.nn.functional.pad(x, (0, n - x.numel())) for x in xs])
+
+
+@pytest.mark.parametrize("kind, want, episodes", [("grouped", "grpo", 8), ("singletons", "reinforce_plus_plus", 8),
+                                                  ("mixed", "reinforce_plus_plus_baseline", 8)])
+def test_auto_trains_on_every_kind_of_traffic_with_verls_advantages(datasets, kind, want, episodes):
+    from verl.trainer.config.algorithm import AlgoConfig
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+
+    eps = load_episodes(check_dataset(datasets[kind].path), "auto")
+    assert eps.estimator == want and eps.counts["episodes"] == episodes, (eps.estimator, eps.counts)
+    mask = _padded(eps.loss_mask)
+    scores = torch.zeros_like(mask)
+    last = (mask * torch.arange(mask.shape[1])).argmax(dim=1)
+    scores[torch.arange(len(last)), last] = eps.rewards
+    index = np.array(eps.group_ids, dtype=object)
+    kwargs = {"config": AlgoConfig(gamma=1.0)} | ({} if want == "reinforce_plus_plus" else {"index": index})
+    ref, _ = get_adv_estimator_fn(want)(token_level_rewards=scores, response_mask=mask, **kwargs)
+    got = _padded(eps.advantages)
+    assert torch.allclose(got, ref, atol=1e-5)
+    # a rewarded episode is pushed up, an unrewarded one down
+    per_episode = (got * mask).sum(1) / mask.sum(1)
+    assert all((a > 0) == (r > 0) for a, r in zip(per_episode.tolist(), eps.rewards.tolist()))
+
+
+def test_grpo_forced_on_singletons_trains_nothing_and_says_why(datasets):
+    """The old behaviour, now only on request: a group baseline has nothing to compare a singleton with."""
+    with pytest.raises(NoSignal, match="no trainable episodes"):
+        load_episodes(check_dataset(datasets["singletons"].path), "grpo")
+
+
+def test_the_choice_reaches_the_checkpoint_manifest(datasets, tiny_base, tmp_path):
+    from trainers.rl.config import RLConfig
+    from trainers.rl.train import TrainJob, train
+
+    job = TrainJob(tiny_base.path, datasets["singletons"].path, str(tmp_path / "ckpt"),
+                   RLConfig(epochs=1, minibatch_episodes=8, qat=False, progress=False, num_workers=0))
+    ckpt = train(job)
+    assert ckpt.adv_estimator == "reinforce_plus_plus" and "no group has 2" in ckpt.adv_estimator_reason
+    assert ckpt.metrics["steps"] == 1
