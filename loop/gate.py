@@ -122,11 +122,13 @@ def _plot_plan(plan) -> None:
     plt.close(fig)
 
 
-def heldout(cfg, dataset_path: str):
+def heldout(cfg, dataset_path: str, n: int | None = None):
+    """The held-out episodes the gate measures KL on (`validate.heldout_sequences`; `n`: as many
+    as that, e.g. `validate.ope_sequences` for off-policy evaluation)."""
     from pipelines.logits import dataset_sequences
 
     try:
-        return dataset_sequences(dataset_path, "heldout", cfg.validate.heldout_sequences)
+        return dataset_sequences(dataset_path, "heldout", n or cfg.validate.heldout_sequences)
     except ValueError as e:
         raise ValueError(f"{e}: the gate needs held-out episodes (dataset.heldout_fraction > 0)") from None
 
@@ -178,16 +180,17 @@ def retry_once(fn, what: str):
 
 
 def gate(cfg, candidate: str, fp: str | None, serving: str, seqs, run_dir: Path, out_dir: Path,
-         eval_seed: str | None = None, best: float | None = None, paired: bool = True):
+         eval_seed: str | None = None, best: float | None = None, paired: bool = True, ope_seqs=None):
     """The whole gate: checks and twin KL, then (if those pass) the engine stage: the candidate's
     served log-probs and, with `paired`, the paired success test against `serving` on the eval
     problems `eval_seed` draws, with `best` (the best success a version served so far) as a
-    floor. Returns the KLGate."""
+    floor; with `ope_seqs` (held-out logged episodes) the OPE estimate beside it. Returns the KLGate."""
     from rollout.capabilities import detect, serving_format
     from rollout.server.tracing import quant_format, stack_fingerprint
     from pipelines.validate import KLGate, write_report
 
-    g = KLGate(candidate, fp, serving, seqs, cfg.validate, stack=dict(stack_fingerprint(candidate).__dict__))
+    g = KLGate(candidate, fp, serving, seqs, cfg.validate, stack=dict(stack_fingerprint(candidate).__dict__),
+               ope_seqs=ope_seqs)
     report = g.measure()
     if report.passed:
         from transformers import AutoConfig
@@ -250,8 +253,11 @@ def validate_phase(cfg, cand: Candidate, ep, run_dir: Path, tags: dict | None = 
         k = (tags or {}).get("loop_cycle", f"manual-{int(time.time())}")
         best = max((float(v.tags["promoted_success"]) for v in registry.client.search_model_versions(
             f"name='{registry.name}'") if "promoted_success" in v.tags), default=None)
+        # the held-out episodes were sampled by the serving version (the cycle trains only on a window
+        # it served: loop/cycle.py window_served_by), so their logged logprobs are its behaviour
         g = gate(cfg, cand.path, cand.fp, status["path"], seqs, run_dir, run_dir / "gates" / Path(cand.path).name,
-                 eval_seed=gate_eval_seed(cfg, k), best=best)
+                 eval_seed=gate_eval_seed(cfg, k), best=best,
+                 ope_seqs=heldout(cfg, cand.dataset, cfg.validate.ope_sequences))
         r = g.report
         log_report(r)
         mlflow.log_artifacts(str(run_dir / "gates" / Path(cand.path).name), artifact_path="gate")
@@ -347,6 +353,7 @@ def log_report(r) -> None:
             metrics[f"gate/{side}_flip_rate"] = getattr(r, side)["flip_rate"]
     metrics |= {f"gate/{k}": v for k, v in r.eval.items() if isinstance(v, (int, float)) and v is not None}
     metrics |= {f"gate/engine_{k}": float(v) for k, v in r.engine_check.items() if isinstance(v, (int, float))}
+    metrics |= {f"gate/ope_{k}": float(v) for k, v in r.ope.items() if isinstance(v, (int, float))}
     metrics |= {f"gate/time_{k}": v for k, v in r.timings.items()}
     mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
     mlflow.set_tag("gate", "pass" if r.passed else "fail: " + "; ".join(r.reasons)[:4000])

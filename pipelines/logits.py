@@ -27,6 +27,10 @@ class Sequences:
     # per sequence, per token: the temperature it was sampled at (a dataset's `temperatures`); ():
     # all 1. The KL statistics compare the distributions tokens were drawn from: softmax(logits / T)
     temperatures: tuple[tuple[float, ...], ...] = ()
+    # per sequence, from a dataset: the logged behaviour logprob of each token (the served policy's,
+    # the distribution it was drawn from) and the episode's reward: what off-policy evaluation weighs
+    behaviour: tuple[tuple[float, ...], ...] = ()
+    rewards: tuple[float, ...] = ()
 
     @property
     def num_scored(self) -> int:
@@ -41,7 +45,7 @@ class Sequences:
 
     def rows(self, start: int, stop: int | None = None) -> "Sequences":
         return Sequences(self.ids[start:stop], self.sampled[start:stop], self.source, self.episode_ids[start:stop],
-                         self.temperatures[start:stop])
+                         self.temperatures[start:stop], self.behaviour[start:stop], self.rewards[start:stop])
 
 
 def dataset_sequences(dataset: str | Path, split: str, max_sequences: int, seed: int = 0) -> Sequences:
@@ -59,7 +63,7 @@ def dataset_sequences(dataset: str | Path, split: str, max_sequences: int, seed:
         if file_sha256(folder / rel) != manifest.files[rel]:
             raise ValueError(f"{folder / rel} does not match its dataset manifest sha256")
     rows = [r for rel in files for r in pq.read_table(folder / rel, columns=[
-        "episode_id", "input_ids", "assistant_mask", "temperatures"]).to_pylist()]
+        "episode_id", "input_ids", "assistant_mask", "temperatures", "behaviour_logprobs", "reward"]).to_pylist()]
     rows = [r for r in rows if any(r["assistant_mask"][1:])]
     if not rows:
         raise ValueError(f"{folder}: split {split!r} holds no episodes with sampled tokens")
@@ -67,7 +71,8 @@ def dataset_sequences(dataset: str | Path, split: str, max_sequences: int, seed:
     rows = rows[:max_sequences]
     return Sequences(tuple(tuple(r["input_ids"]) for r in rows), tuple(tuple(r["assistant_mask"]) for r in rows),
                      f"{folder}:{split}", tuple(r["episode_id"] for r in rows),
-                     tuple(tuple(r["temperatures"]) for r in rows))
+                     tuple(tuple(r["temperatures"]) for r in rows), tuple(tuple(r["behaviour_logprobs"]) for r in rows),
+                     tuple(float(r["reward"]) for r in rows))
 
 
 def batches(seqs: Sequences, batch_size: int):
@@ -99,6 +104,19 @@ def model_logprobs(model, seqs: Sequences, batch_size: int = 16) -> torch.Tensor
 def scored_targets(seqs: Sequences) -> torch.Tensor:
     """[num_scored] the sampled token at each scored position."""
     return torch.tensor([s[t + 1] for s, m in zip(seqs.ids, seqs.sampled) for t in range(len(s) - 1) if m[t + 1]])
+
+
+def scored_behaviour(seqs: Sequences) -> torch.Tensor:
+    """[num_scored] the logged behaviour logprob of each scored position's next token."""
+    if not seqs.behaviour:
+        raise ValueError(f"{seqs.source}: these sequences carry no logged behaviour logprobs")
+    return torch.tensor([b[i + 1] for b, m in zip(seqs.behaviour, seqs.sampled) for i in range(len(m) - 1)
+                         if m[i + 1]], dtype=torch.float32)
+
+
+def scored_counts(seqs: Sequences) -> list[int]:
+    """The scored positions of each sequence (its sampled tokens but a first one)."""
+    return [sum(m[1:]) for m in seqs.sampled]
 
 
 def scored_temperatures(seqs: Sequences) -> torch.Tensor:

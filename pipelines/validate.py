@@ -24,13 +24,15 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from pipelines.paired import paired_test
 
-from pipelines.logits import (Sequences, at_temperature, flip_rate, kl, kl_known, model_logprobs, scored_targets,
-                              scored_temperatures, summary)
+from pipelines.logits import (Sequences, at_temperature, flip_rate, kl, kl_known, model_logprobs, scored_behaviour,
+                              scored_counts, scored_targets, scored_temperatures, summary)
+from pipelines.ope import episode_log_ratios, ope
 from pipelines.served import CandidateError, check_candidate, load_twin
 
 
@@ -56,6 +58,15 @@ class GateConfig:
     # A floor against the best success any promoted version had at its gate (other problems, so
     # unpaired): a chain of slightly worse promotions cannot walk far down.
     max_below_best: float = 0.1
+    # Off-policy evaluation (pipelines/ope.py): the candidate's reward estimated on the held-out logged
+    # episodes (up to ope_sequences) from their behaviour logprobs, weights clipped at ope_clip.
+    # success_source: what the success rule reads: "eval" (the paired test on fresh eval problems),
+    # "ope" (the OPE interval's one-sided (1 - success_alpha) lower bound of the reward delta must be
+    # above min_success_delta), "auto" (eval where the task has eval problems, else OPE). Both are
+    # reported whenever both exist, so the estimator is checked against the eval every cycle.
+    ope_sequences: int = 512
+    ope_clip: float = 10.0
+    success_source: Literal["auto", "eval", "ope"] = "auto"
     engine_tolerance: float | None = None  # twin vs engine mean |Δ logprob|; None: the canary's for the format here
     engine_topk: int = 20  # log-probs per position from the engine when the vocabulary is large
     full_vocab_max: int = 4096  # vocabularies up to this size come back whole
@@ -69,8 +80,12 @@ class GateConfig:
             raise ValueError(f"success_alpha must be in (0, 1), got {self.success_alpha}")
         if not self.max_below_best >= 0:
             raise ValueError(f"max_below_best must be >= 0, got {self.max_below_best}")
-        if self.heldout_sequences < 1 or self.engine_topk < 1:
-            raise ValueError("heldout_sequences and engine_topk must be >= 1")
+        if self.heldout_sequences < 1 or self.engine_topk < 1 or self.ope_sequences < 2:
+            raise ValueError("heldout_sequences and engine_topk must be >= 1, ope_sequences >= 2")
+        if not self.ope_clip > 1:
+            raise ValueError(f"ope_clip must be > 1, got {self.ope_clip}")
+        if self.success_source not in ("auto", "eval", "ope"):
+            raise ValueError(f"success_source must be auto, eval or ope, got {self.success_source!r}")
 
     def engine_logprobs_k(self, vocab_size: int) -> int:
         return vocab_size if vocab_size <= self.full_vocab_max else self.engine_topk
@@ -104,6 +119,7 @@ class GateReport:
     drift: dict = field(default_factory=dict)
     eval: dict = field(default_factory=dict)
     engine_check: dict = field(default_factory=dict)
+    ope: dict = field(default_factory=dict)  # pipelines.ope.OPEEstimate on the held-out logged episodes
     stack: dict = field(default_factory=dict)
     thresholds: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
@@ -119,7 +135,10 @@ class GateReport:
                 f"| success {self.eval.get('candidate_success', float('nan')):.1%} vs "
                 f"{self.eval.get('serving_success') if self.eval.get('serving_success') is not None else float('nan'):.1%}"
                 + (f" paired on {self.eval['num_problems']} fresh problems, delta {self.eval['success_delta']:+.3f} "
-                   f"(lower bound {self.eval['success_delta_lower']:+.3f})" if "success_delta_lower" in self.eval else ""))
+                   f"(lower bound {self.eval['success_delta_lower']:+.3f})" if "success_delta_lower" in self.eval else "")
+                + (f" | OPE on {self.ope['n']} logged episodes: {self.ope['value']:.1%} vs logged {self.ope['logged']:.1%}, "
+                   f"delta {self.ope['delta']:+.3f} (lower bound {self.ope['lower']:+.3f}, ESS {self.ope['ess']:.0f})"
+                   if self.ope else ""))
 
 
 def _limits(report: GateReport, cfg: GateConfig, side: str) -> None:
@@ -136,10 +155,13 @@ class KLGate:
     """One gate run: `measure()` (checks, then KL with the torch twins), then `with_engine()`."""
 
     def __init__(self, candidate: str | Path, candidate_fp: str | Path | None, serving: str | Path,
-                 seqs: Sequences, cfg: GateConfig, stack: dict | None = None):
+                 seqs: Sequences, cfg: GateConfig, stack: dict | None = None, ope_seqs: Sequences | None = None,
+                 has_eval: bool = True):
         self.candidate, self.serving = str(candidate), str(serving)
         self.candidate_fp = str(candidate_fp) if candidate_fp else None
-        self.seqs, self.cfg = seqs, cfg
+        self.seqs, self.cfg, self.ope_seqs, self.has_eval = seqs, cfg, ope_seqs, has_eval
+        if self.decides_by_ope and ope_seqs is None:
+            raise ValueError("validate.success_source reads OPE, but the gate got no logged episodes to weigh")
         self.report = GateReport(True, [], "checks", self.candidate, self.candidate_fp, self.serving,
                                  heldout={"source": seqs.source, "sequences": len(seqs.ids),
                                           "tokens": seqs.num_tokens, "scored_tokens": seqs.num_scored},
@@ -182,11 +204,33 @@ class KLGate:
                        "source": "torch twin as served vs full precision"}
             _limits(r, self.cfg, "quant")
         _limits(r, self.cfg, "drift")
+        if self.ope_seqs is not None:
+            self._off_policy(cand)
         r.passed = not r.reasons
         r.timings = {"load_s": round(t1 - t0, 3), "forwards_s": round(t2 - t1, 3), "forwards": len(self.lp),
                      "kl_s": round(time.perf_counter() - t2, 3)}
         r.timings["tokens_per_s"] = round(self.seqs.num_tokens * len(self.lp) / max(t2 - t1, 1e-9), 1)
         return r
+
+    @property
+    def decides_by_ope(self) -> bool:
+        """The success rule reads OPE: asked to, or `auto` with no eval problems to play."""
+        return self.cfg.success_source == "ope" or (self.cfg.success_source == "auto" and not self.has_eval)
+
+    def _off_policy(self, cand) -> None:
+        """OPE of the candidate (its torch twin as served, which the engine check holds to the
+        engine) on the held-out logged episodes; decides the success rule when the config says so."""
+        s = self.ope_seqs
+        mine = at_temperature(model_logprobs(cand, s), scored_temperatures(s))
+        targets = scored_targets(s)
+        ratios = episode_log_ratios(mine[torch.arange(len(targets)), targets], scored_behaviour(s), scored_counts(s))
+        est = ope(ratios, s.rewards, clip=self.cfg.ope_clip, alpha=self.cfg.success_alpha)
+        self.report.ope = est.to_dict() | {"source": s.source}
+        if self.decides_by_ope and not round(est.lower, 12) > self.cfg.min_success_delta:
+            self.report.reasons.append(
+                f"OPE reward delta {est.delta:+.3f} on {est.n} logged episodes (ESS {est.ess:.0f}): its "
+                f"{1 - est.alpha:.0%} lower bound {est.lower:+.3f} is not above validate.min_success_delta "
+                f"{self.cfg.min_success_delta:+g}")
 
     def with_engine(self, engine: EngineSide, tolerance: float) -> GateReport:
         """The engine's measurements of the candidate: the twin check, the served damage, success."""
@@ -221,7 +265,7 @@ class KLGate:
             t = paired_test(*engine.paired, margin=self.cfg.min_success_delta, alpha=self.cfg.success_alpha)
             r.eval |= {"success_delta": t.delta, "success_delta_se": t.se, "success_delta_lower": t.lower,
                        "success_alpha": t.alpha}
-            if not t.passed:
+            if not t.passed and not self.decides_by_ope:
                 r.reasons.append(f"paired success delta {t.delta:+.3f} (se {t.se:.3f}): its {1 - t.alpha:.0%} lower "
                                  f"bound {t.lower:+.3f} is not above validate.min_success_delta "
                                  f"{self.cfg.min_success_delta:+g}")

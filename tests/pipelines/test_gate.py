@@ -123,3 +123,30 @@ def test_kl_is_taken_at_the_temperature_the_tokens_were_sampled_at():
     assert torch.equal(at_temperature(partial, temps)[1].nan_to_num(), partial[1].nan_to_num())
     seqs = Sequences(((1, 2, 3, 4),), ((0, 1, 0, 1),), "x", ("e",), ((1.0, 0.7, 1.0, 0.5),))
     assert scored_temperatures(seqs).tolist() == pytest.approx([0.7, 0.5])
+
+
+def test_off_policy_evaluation_on_the_logged_heldout_episodes(gate_setup, gate_dataset):
+    """The gate weighs the held-out logged episodes by candidate / behaviour (the logged processed
+    logprobs): the estimate, its interval and ESS are in the report; with success_source "ope" the
+    interval decides, and a rule it cannot clear fails naming the key."""
+    s = gate_setup
+    logged = dataset_sequences(gate_dataset.path, "heldout", 512)
+    assert logged.rewards and len(logged.behaviour) == len(logged.ids)
+
+    def run(**cfg):
+        return KLGate(s["good"], s["trained"], s["serving"], s["seqs"], GateConfig(**cfg), ope_seqs=logged).measure()
+
+    report = run()
+    o = report.ope
+    assert report.passed and o["n"] == len(logged.ids) and 0 < o["ess"] <= o["n"]
+    assert o["lower"] <= o["delta"] <= o["upper"] and o["logged"] == pytest.approx(sum(logged.rewards) / o["n"])
+    assert "OPE on" in report.summary_line()
+    # the serving version weighed against its own logged behaviour: weights near 1
+    own = KLGate(s["serving"], None, s["serving"], s["seqs"], GateConfig(), ope_seqs=logged).measure().ope
+    assert own["ess"] > 0.8 * own["n"] and abs(own["delta"]) < 0.05, own
+    strict = run(success_source="ope", min_success_delta=0.5)
+    assert not strict.passed and strict.reasons[0].startswith("OPE reward delta") and "validate.min_success_delta +0.5" \
+        in strict.reasons[0]
+    assert run(success_source="ope", min_success_delta=-1.0).passed
+    with pytest.raises(ValueError, match="no logged episodes"):
+        KLGate(s["good"], None, s["serving"], s["seqs"], GateConfig(success_source="ope"))
