@@ -1,10 +1,14 @@
 """The loop's `collect` and `build_dataset` phases: traffic through the endpoint -> an RL dataset.
 
-    collect:       through the cycle's endpoint (`loop serve` in a child process, or
-                   `collect.endpoint`), play `num_problems` x `rollout.group_size` calculator
-                   episodes over HTTP
-                   (rollout/collector.py); the server traces every request and the rewards
-                   arrive as feedback. -> CollectManifest
+    collect:       `collect.source: collector`: through the cycle's endpoint (`loop serve` in a
+                   child process, or `collect.endpoint`), play `num_problems` x
+                   `rollout.group_size` calculator episodes over HTTP (rollout/collector.py); the
+                   server traces every request and the rewards arrive as feedback.
+                   `collect.source: traffic`: play nothing; wait until `min_episodes` episodes
+                   that the serving version served since the last cycle's window have a reward or
+                   a rating (other clients' production traffic, `/v1/feedback`), at most
+                   `max_wait_s`, then take that window. Too few: the cycle is skipped, said so,
+                   nothing half done (NoTraffic). -> CollectManifest
     build_dataset: the traces of the window the collection wrote (its UTC dates and the weight
                    versions that served it) -> an RL dataset (pipelines/traces_to_dataset.py).
                    Other traffic in that window (live users with feedback) is in it too: the
@@ -36,11 +40,22 @@ class CollectConfig:
     a fresh run id per collection (values set in the config are replaced)."""
 
     endpoint: str | None = None  # a server already serving the policy into serve.trace_root; None: start one
+    source: Literal["collector", "traffic"] = "collector"  # the loop's own episodes, or what users sent
     num_problems: int = 64  # problems of the task's train split
     problem_seed: int = 1
     rollout: CollectorConfig = field(default_factory=_collector_defaults)
+    # source: traffic. A cycle waits for min_episodes rewarded episodes, polling every poll_s, at most max_wait_s
+    min_episodes: int = 64
+    max_wait_s: float = 600.0
+    poll_s: float = 5.0
 
     def __post_init__(self):
+        if self.source not in ("collector", "traffic"):
+            raise ValueError(f"source must be collector or traffic, got {self.source!r}")
+        if isinstance(self.min_episodes, bool) or not isinstance(self.min_episodes, int) or self.min_episodes < 2:
+            raise ValueError(f"min_episodes must be an int >= 2, got {self.min_episodes!r}")
+        if not (self.max_wait_s >= 0 and self.poll_s > 0):
+            raise ValueError(f"max_wait_s must be >= 0 and poll_s > 0, got {self.max_wait_s}, {self.poll_s}")
         if self.endpoint is not None and not str(self.endpoint).startswith(("http://", "https://")):
             raise ValueError(f"endpoint must be an http(s) URL or null, got {self.endpoint!r}")
         if isinstance(self.num_problems, bool) or not isinstance(self.num_problems, int) or self.num_problems < 1:
@@ -61,19 +76,22 @@ class DatasetPhaseConfig:
     seed: int = 0  # salts the held-out hash
     reward_fn: str = DEFAULT_REWARD_FN  # "module:function" of an EpisodeRecord
     feedback_mode: FeedbackMode = "override"  # how logged feedback combines with reward_fn
+    rating_range: tuple[int, int] = (-1, 1)  # a rating r counts as reward (r - lo) / (hi - lo); stars: [1, 5]
 
     def __post_init__(self):
         self.dataset(Path("."), Path("."), "checked", "raw_logprobs")  # DatasetConfig's checks, at load time
 
     def dataset(self, trace_root: Path, out_dir: Path, tokenizer: str, logprobs_mode: str,
                 dates: tuple[str, ...] | None = None, weight_versions: tuple[int, ...] | None = None,
-                since: str | None = None):
+                since: str | None = None, until: str | None = None):
         from pipelines.traces_to_dataset import DatasetConfig
 
         return DatasetConfig(trace_root=trace_root, out_dir=out_dir, tokenizer=tokenizer, dates=dates,
-                             weight_versions=weight_versions, since=since, heldout_fraction=self.heldout_fraction,
+                             weight_versions=weight_versions, since=since, until=until,
+                             heldout_fraction=self.heldout_fraction,
                              heldout_unit=self.heldout_unit, min_heldout=self.min_heldout, seed=self.seed, reward_fn=self.reward_fn,
-                             feedback_mode=self.feedback_mode, logprobs_mode=logprobs_mode)
+                             feedback_mode=self.feedback_mode, rating_range=self.rating_range,
+                             logprobs_mode=logprobs_mode)
 
 
 @dataclass(frozen=True)
@@ -92,6 +110,8 @@ class CollectManifest:
     retries: int = 0
     tokens_sampled: int = 0
     seconds: float = 0.0
+    source: str = "collector"
+    until: str | None = None  # ISO-8601 UTC, traffic windows: the dataset reads traces before then
 
     @classmethod
     def from_dict(cls, d: dict) -> "CollectManifest":
@@ -168,6 +188,41 @@ def collect_phase(cfg, ep: Endpoint, tokenizer_path: str | Path, problem_seed: i
         requests=stats.requests, retries=stats.retries, tokens_sampled=stats.tokens_sampled, seconds=stats.seconds)
 
 
+class NoTraffic(RuntimeError):
+    """Too few rewarded episodes reached the endpoint within collect.max_wait_s: the cycle is skipped."""
+
+
+def traffic_phase(cfg, ep: Endpoint, tokenizer: str, weight_version: int, since: str | None) -> CollectManifest:
+    """Wait for `collect.min_episodes` episodes served by `weight_version` since `since` (the last
+    window's end; None: all its traffic) with a reward or a rating; the window is theirs."""
+    import time
+
+    from pipelines.traces_to_dataset import rewarded_episodes
+
+    c, t0 = cfg.collect, time.monotonic()
+    while True:
+        _flush(ep.url, ep.admin_token)
+        until = datetime.now(timezone.utc).isoformat()
+        window = cfg.dataset.dataset(Path(cfg.serve.trace_root), Path("."), tokenizer, cfg.serve.logprobs_mode,
+                                     weight_versions=(weight_version,), since=since, until=until)
+        rewards = rewarded_episodes(window)
+        waited = time.monotonic() - t0
+        if len(rewards) >= c.min_episodes:
+            break
+        if waited >= c.max_wait_s:
+            raise NoTraffic(f"{len(rewards)} of collect.min_episodes {c.min_episodes} episodes served by weight version "
+                            f"{weight_version} since {since or 'it started'} have a reward or a rating after "
+                            f"collect.max_wait_s {c.max_wait_s:g}s: cycle skipped, nothing trained")
+        print(f"[loop] waiting for traffic: {len(rewards)}/{c.min_episodes} rewarded episodes of weight version "
+              f"{weight_version} ({waited:.0f}/{c.max_wait_s:g}s)", flush=True)
+        time.sleep(min(c.poll_s, max(0.0, c.max_wait_s - waited)))
+    return CollectManifest(
+        endpoint=ep.url, trace_root=str(cfg.serve.trace_root), run_id=f"traffic-v{weight_version}-{uuid.uuid4().hex[:6]}",
+        dates=(), weight_versions=(weight_version,), started_at=since or "", episodes=len(rewards),
+        episodes_ok=len(rewards), success=sum(rewards) / len(rewards), seconds=round(time.monotonic() - t0, 2),
+        source="traffic", until=until)
+
+
 def _flush(endpoint: str, token: str | None) -> None:
     """Ask a server we did not start to convert its traces to Parquet now (its admin API)."""
     import httpx
@@ -188,8 +243,9 @@ def dataset_phase(cfg, collected: CollectManifest, tokenizer: str, run_dir: Path
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = run_dir / "datasets" / f"{stamp}-{collected.run_id}"
     return build_dataset(cfg.dataset.dataset(Path(collected.trace_root), out, tokenizer, cfg.serve.logprobs_mode,
-                                             dates=collected.dates, weight_versions=collected.weight_versions or None,
-                                             since=collected.started_at))
+                                             dates=collected.dates or None,
+                                             weight_versions=collected.weight_versions or None,
+                                             since=collected.started_at or None, until=collected.until))
 
 
 def log_collect(collected: CollectManifest, dataset) -> None:
@@ -211,7 +267,8 @@ def log_collect(collected: CollectManifest, dataset) -> None:
     mlflow.log_dict(dataset.to_dict(), "dataset_manifest.json")
     mlflow.set_tag("dataset_path", dataset.path)
     log_dataset_input(dataset)
-    _plot_groups(collected.group_successes, max(1, collected.episodes // max(1, len(collected.group_successes))))
+    if collected.group_successes:  # the loop's own groups (traffic has none it made)
+        _plot_groups(collected.group_successes, max(1, collected.episodes // len(collected.group_successes)))
 
 
 def log_dataset_input(dataset) -> None:

@@ -84,7 +84,7 @@ def _phase(lp: Loop, c: CycleState, name: str, fn, load):
 
 def cycle(lp: Loop, k: int) -> CycleState:
     """One cycle, each phase once (a rerun after a kill starts at the phase it was in)."""
-    from loop.collect import collect_phase, dataset_phase, log_collect
+    from loop.collect import NoTraffic, collect_phase, dataset_phase, log_collect, traffic_phase
     from loop.gate import requantize_phase, validate_phase
     from loop.promotion import promote_phase, promotion_intent
     from loop.speculator import SpeculatorStep, speculator_step
@@ -101,6 +101,12 @@ def cycle(lp: Loop, k: int) -> CycleState:
     seed = cfg.collect.problem_seed + (k - 1) * cfg.loop.problem_seed_stride
 
     def collect() -> CollectManifest:
+        if cfg.collect.source == "traffic":
+            out = traffic_phase(cfg, lp.ep, lp.tokenizer, serving["weight_version"], traffic_since(lp.state))
+            print(f"[loop] traffic window {out.started_at or 'start'} .. {out.until}: {out.episodes} rewarded episodes "
+                  f"of weight version {serving['weight_version']}, mean reward {out.success:.3f}", flush=True)
+            lp.display.note(reward=out.success)
+            return out
         out = collect_phase(cfg, lp.ep, lp.tokenizer, problem_seed=seed)
         print(f"[loop] collected {out.episodes} episodes ({out.episodes_ok} ok) from weight version(s) "
               f"{', '.join(map(str, out.weight_versions))} in {out.seconds:.1f}s: {out.episodes_per_s:.1f} episodes/s, "
@@ -119,7 +125,10 @@ def cycle(lp: Loop, k: int) -> CycleState:
         log_collect(collected, dataset)
         return dataset
 
-    collected = _phase(lp, c, "collect", collect, CollectManifest.from_dict)
+    try:
+        collected = _phase(lp, c, "collect", collect, CollectManifest.from_dict)
+    except NoTraffic as e:
+        return finish(lp, c, "skipped", str(e))
     dataset = _phase(lp, c, "build_dataset", build, lambda d: load_manifest(d["path"]))
     if "train" not in c.done and not window_served_by(cfg, dataset, serving["checkpoint_sha256"]):
         return finish(lp, c, "no_signal", f"no episode of the window was served by the parent's weights "
@@ -161,6 +170,12 @@ def cycle(lp: Loop, k: int) -> CycleState:
     outcome = _phase(lp, c, "promote", promote, lambda d: Outcome(**d))
     reason = outcome.reason or ("; ".join(verdict.reasons) if not verdict.passed else "passed the gate and the canary")
     return finish(lp, c, outcome.status, reason)
+
+
+def traffic_since(state: LoopState) -> str | None:
+    """Where the next traffic window starts: the last traffic window's end (None: the first)."""
+    ends = [c.done["collect"].get("until") for c in state.cycles if "collect" in c.done]
+    return next((e for e in reversed(ends) if e), None)
 
 
 def serving_parent(lp: Loop, status: dict) -> str:

@@ -30,7 +30,7 @@ class CycleState:
     run_id: str | None = None  # its MLflow run (nested under the loop's)
     done: dict[str, dict] = field(default_factory=dict)  # phase -> its output, in the order run
     timings: dict[str, float] = field(default_factory=dict)  # phase -> seconds (the try that finished)
-    outcome: str | None = None  # "serving" | "rejected" | "rolled_back" | "swap_refused" | "no_signal"
+    outcome: str | None = None  # "serving" | "rejected" | "rolled_back" | "swap_refused" | "no_signal" | "skipped"
     reason: str = ""
     # the promotion's intent (pipelines.promote.intent: from sha -> to sha, aliases as they were),
     # written before the swap; a rerun reconciles it with the server instead of guessing

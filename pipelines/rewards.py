@@ -11,6 +11,11 @@ function's value by `FeedbackMode`:
     "override" - the latest feedback reward if the episode has one, else the function's value;
     "mean"     - the mean of the function's value and the latest feedback reward, of those present.
 An episode for which the combination is None has a "missing reward" and is not trained on.
+
+Ratings. A feedback row with a `rating` and no `reward` (a thumbs-up/-down, a star rating) counts
+as the reward (rating - lo) / (hi - lo) for the dataset's `rating_range` (lo, hi): the default
+(-1, 1) maps thumbs-down -1 to 0 and thumbs-up +1 to 1; stars are (1, 5). A rating outside the
+range is no reward (the row is ignored, never clamped). A row's explicit reward wins over its rating.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class EpisodeRecord:
     input_ids: list[int]
     decode: Callable[[list[int]], str] = field(repr=False)
     feedback: tuple[Feedback, ...] = ()  # oldest first
+    rating_range: tuple[int, int] = (-1, 1)  # a rating's (lo, hi): it counts as (rating - lo) / (hi - lo)
 
     @cached_property
     def text(self) -> str:
@@ -56,9 +62,26 @@ class EpisodeRecord:
 
     @property
     def feedback_reward(self) -> float | None:
-        """The latest feedback row's reward (rows with only a rating don't count)."""
-        rewards = [f.reward for f in self.feedback if f.reward is not None]
+        """The latest feedback row's reward, or its rating as a reward (`rating_reward`)."""
+        rewards = [r for r in (rating_reward(f, self.rating_range) for f in self.feedback) if r is not None]
         return rewards[-1] if rewards else None
+
+
+def rating_reward(f: Feedback, rating_range: tuple[int, int] = (-1, 1)) -> float | None:
+    """A feedback row's reward: its own, else its rating mapped onto [0, 1], else None.
+
+    >>> from rollout.traces import Feedback
+    >>> rating_reward(Feedback(trace_id="t", rating=1)), rating_reward(Feedback(trace_id="t", rating=-1))
+    (1.0, 0.0)
+    >>> rating_reward(Feedback(trace_id="t", rating=4), (1, 5)), rating_reward(Feedback(trace_id="t", rating=7), (1, 5))
+    (0.75, None)
+    """
+    if f.reward is not None:
+        return f.reward
+    lo, hi = rating_range
+    if f.rating is None or not lo <= f.rating <= hi:
+        return None
+    return (f.rating - lo) / (hi - lo)
 
 
 RewardFn = Callable[[EpisodeRecord], "float | None"]

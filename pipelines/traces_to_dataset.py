@@ -57,7 +57,8 @@ def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
     reward_fn = load_fn(cfg.reward_fn)
 
     table = read_traces(cfg.trace_root, dates=cfg.dates, weight_versions=cfg.weight_versions,
-                        since=None if cfg.since is None else datetime.fromisoformat(cfg.since), columns=READ_COLUMNS)
+                        since=None if cfg.since is None else datetime.fromisoformat(cfg.since),
+                        until=None if cfg.until is None else datetime.fromisoformat(cfg.until), columns=READ_COLUMNS)
     order = order_episodes(table.select([c for c in READ_COLUMNS if "token" not in c and "logprobs" not in c]),
                            cfg.logprobs_mode)
     ep_keys = pc.coalesce(table["episode_id"], table["trace_id"])
@@ -91,7 +92,7 @@ def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
                 continue
             record = EpisodeRecord(key, tuple(ids[starts[e]:starts[e + 1]]),
                                    tokens.input_ids[tokens.offsets[k]:tokens.offsets[k + 1]].tolist(), decode,
-                                   tuple(fbs))
+                                   tuple(fbs), cfg.rating_range)
             r = score(record, reward_fn, cfg.feedback_mode)
             if r is None:
                 bad[e] = "missing_reward"
@@ -117,14 +118,15 @@ def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
         counts = _move_to_heldout(tmp, unit_col, more)
     files = {str(p.relative_to(tmp)): file_sha256(p) for p in sorted(tmp.rglob("*.parquet"))}
     manifest = RLDatasetManifest(
-        path=str(cfg.out_dir), parent=TraceWindow(str(cfg.trace_root), cfg.dates, cfg.weight_versions, cfg.since),
+        path=str(cfg.out_dir), parent=TraceWindow(str(cfg.trace_root), cfg.dates, cfg.weight_versions, cfg.since,
+                                                            cfg.until),
         rows_read=table.num_rows, train_episodes=counts["train"], heldout_episodes=counts["heldout"],
         groups=len(groups), dropped_rows={k: v for k, v in sorted(order.dropped_rows.items())},
         dropped_episodes=dict(sorted(dropped_episodes.items())),
         weight_versions=tuple(sorted(v for v in kept_versions if v >= 0)), trainer_base_version=base,
         reward_fn=cfg.reward_fn, feedback_mode=cfg.feedback_mode, logprobs_mode=cfg.logprobs_mode,
         heldout_fraction=float(cfg.heldout_fraction), heldout_unit=cfg.heldout_unit, min_heldout=cfg.min_heldout,
-        seed=cfg.seed, files=files,
+        seed=cfg.seed, files=files, rating_range=cfg.rating_range,
         created_at=datetime.now(timezone.utc).isoformat(), build_seconds=round(time.perf_counter() - t0, 3),
     )
     save_manifest(manifest, tmp)
@@ -234,6 +236,30 @@ def _chunks(starts: np.ndarray, chunk_rows: int):
         e1 = min(max(e1, e0 + 1), n_ep)
         yield e0, e1
         e0 = e1
+
+
+def rewarded_episodes(cfg: DatasetConfig) -> list[float]:
+    """The feedback reward (or rating, by `cfg.rating_range`) of each episode in the window that
+    has one: what a traffic-fed cycle waits for before it builds its dataset. Cheap: ids and
+    feedback only, no tokens (an episode without feedback may still get a reward from
+    `cfg.reward_fn` when the dataset is built)."""
+    from pipelines.rewards import rating_reward
+
+    table = read_traces(cfg.trace_root, dates=cfg.dates, weight_versions=cfg.weight_versions,
+                        since=None if cfg.since is None else datetime.fromisoformat(cfg.since),
+                        until=None if cfg.until is None else datetime.fromisoformat(cfg.until),
+                        columns=["trace_id", "episode_id", "created_at"])
+    if table.num_rows == 0:
+        return []
+    ep_keys = pc.coalesce(table["episode_id"], table["trace_id"])
+    out = []
+    for rows in _feedback_by_episode(cfg, table["trace_id"], ep_keys, pc.min(table["created_at"]).as_py()).values():
+        if any(f.source == ABANDONED for f in rows):
+            continue
+        values = [v for v in (rating_reward(f, cfg.rating_range) for f in rows) if v is not None]
+        if values:
+            out.append(values[-1])
+    return out
 
 
 def _feedback_by_episode(cfg: DatasetConfig, trace_ids: pa.ChunkedArray, ep_keys: pa.ChunkedArray,

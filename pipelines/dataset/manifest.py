@@ -51,6 +51,7 @@ class DatasetConfig:
     dates: tuple[str, ...] | None = None  # UTC "YYYY-MM-DD" partitions; None: all
     weight_versions: tuple[int, ...] | None = None  # None: all
     since: str | None = None  # ISO-8601 UTC time: only traces created then or later; None: all
+    until: str | None = None  # ISO-8601 UTC time: only traces created before then; None: all
     heldout_fraction: float = 0.1
     heldout_unit: Literal["group", "episode"] = "group"  # what the held-out hash draws
     # at least this many held-out units (at most half of them): when the hash draws fewer, the
@@ -59,6 +60,7 @@ class DatasetConfig:
     seed: int = 0  # salts the held-out hash; same seed, same split on every rebuild
     reward_fn: str = DEFAULT_REWARD_FN  # "module:function", (EpisodeRecord) -> float | None
     feedback_mode: FeedbackMode = "override"
+    rating_range: tuple[int, int] = (-1, 1)  # a rating-only feedback row's (lo, hi) (pipelines/rewards.py)
     logprobs_mode: str = "processed_logprobs"  # what the trainer expects (the server's); others are dropped
     trainer_base_version: int | None = None  # lag reference; None: the newest version read
     chunk_rows: int = 200_000  # trace rows assembled at a time (bounds memory)
@@ -74,12 +76,13 @@ class DatasetConfig:
                     date.fromisoformat(d)
                 except (TypeError, ValueError):
                     raise ValueError(f"dates: {d!r} is not a 'YYYY-MM-DD' date") from None
-        if self.since is not None:
-            try:
-                if datetime.fromisoformat(self.since).tzinfo is None:
-                    raise ValueError
-            except (TypeError, ValueError):
-                raise ValueError(f"since: {self.since!r} is not an ISO-8601 time with a UTC offset") from None
+        for name in ("since", "until"):
+            if getattr(self, name) is not None:
+                try:
+                    if datetime.fromisoformat(getattr(self, name)).tzinfo is None:
+                        raise ValueError
+                except (TypeError, ValueError):
+                    raise ValueError(f"{name}: {getattr(self, name)!r} is not an ISO-8601 time with a UTC offset") from None
         if self.weight_versions is not None:
             self.weight_versions = tuple(self.weight_versions)
             if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in self.weight_versions):
@@ -90,6 +93,10 @@ class DatasetConfig:
             raise ValueError(f"min_heldout must be an int >= 0, got {self.min_heldout!r}")
         if self.heldout_unit not in ("group", "episode"):
             raise ValueError(f"heldout_unit must be 'group' or 'episode', got {self.heldout_unit!r}")
+        self.rating_range = tuple(self.rating_range)
+        if (len(self.rating_range) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in self.rating_range)
+                or not self.rating_range[0] < self.rating_range[1]):
+            raise ValueError(f"rating_range must be two ints lo < hi, got {self.rating_range!r}")
         if self.feedback_mode not in FEEDBACK_MODES:
             raise ValueError(f"feedback_mode must be one of {FEEDBACK_MODES}, got {self.feedback_mode!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -114,6 +121,7 @@ class TraceWindow:
     dates: tuple[str, ...] | None
     weight_versions: tuple[int, ...] | None
     since: str | None = None  # ISO-8601: traces created then or later
+    until: str | None = None  # ISO-8601: and before then
 
 
 @dataclass(frozen=True)
@@ -140,6 +148,7 @@ class RLDatasetManifest:
     schema_version: int = DATASET_SCHEMA_VERSION
     created_by: str = field(default="pipelines.traces_to_dataset")
     min_heldout: int = 0  # DatasetConfig.min_heldout (0 in manifests written before it)
+    rating_range: tuple[int, int] = (-1, 1)
 
     @property
     def kept_episodes(self) -> int:
@@ -157,8 +166,10 @@ class RLDatasetManifest:
         if d.get("schema_version") != DATASET_SCHEMA_VERSION:
             raise ValueError(f"dataset schema_version {d.get('schema_version')} != {DATASET_SCHEMA_VERSION}")
         w = d["parent"]
-        d["parent"] = TraceWindow(w["trace_root"], _tuple(w["dates"]), _tuple(w["weight_versions"]), w.get("since"))
+        d["parent"] = TraceWindow(w["trace_root"], _tuple(w["dates"]), _tuple(w["weight_versions"]), w.get("since"),
+                                  w.get("until"))
         d["weight_versions"] = tuple(d["weight_versions"])
+        d["rating_range"] = tuple(d.get("rating_range", (-1, 1)))
         return cls(**d)
 
 

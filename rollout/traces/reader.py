@@ -27,10 +27,11 @@ def read_traces(
     dates: Iterable[str | date] | None = None,
     weight_versions: Iterable[int] | None = None,
     since: datetime | None = None,
+    until: datetime | None = None,
     columns: list[str] | None = None,
 ) -> pa.Table:
     """Traces under `<root>/traces`, only of the given UTC dates and weight versions, and created
-    at `since` (tz-aware) or later, if given."""
+    at `since` (tz-aware) or later and before `until`, if given."""
     expr = None
     if dates is not None:
         expr = _and(expr, ds.field("date").isin([_date_str(d) for d in dates]))
@@ -40,6 +41,10 @@ def read_traces(
         if since.tzinfo is None:
             raise ValueError(f"since must be tz-aware, got {since!r}")
         expr = _and(expr, ds.field("created_at") >= pa.scalar(since, pa.timestamp("us", tz="UTC")))
+    if until is not None:
+        if until.tzinfo is None:
+            raise ValueError(f"until must be tz-aware, got {until!r}")
+        expr = _and(expr, ds.field("created_at") < pa.scalar(until, pa.timestamp("us", tz="UTC")))
     return _read(Path(root) / "traces", TRACE_SCHEMA, expr, columns)
 
 
