@@ -26,10 +26,25 @@ from trainers.bootstrap.sft import SFTConfig
 class TaskConfig:
     seed: int = 0
     num_eval_problems: int = 200  # the eval split used for base success (and later, RL evals)
+    # Your agent on your tasks (rollout/agents.py): "module:function" or "file.py:function", an async
+    # function (task: dict, client) -> reward | None; the collector plays source's train split through
+    # it. None: the built-in calculator collector. With an agent the gate decides by OPE on the logged
+    # held-out episodes (validate.success_source auto).
+    agent: str | None = None
+    source: str | None = None  # tasks: a folder of train/eval .jsonl|.parquet, a saved DatasetDict, or one file
 
     def __post_init__(self):
         if self.num_eval_problems <= 0:
             raise ValueError(f"num_eval_problems must be positive, got {self.num_eval_problems}")
+        if (self.agent is None) != (self.source is None):
+            raise ValueError("agent and source go together: your agent plays the tasks of source")
+        if self.agent is not None:
+            from rollout.agents import load_agent
+            from rollout.task_source import load_tasks
+
+            load_agent(self.agent)
+            if not load_tasks(self.source, "train"):
+                raise ValueError(f"source {self.source}: the train split holds no task")
 
 
 @dataclass

@@ -188,6 +188,38 @@ def collect_phase(cfg, ep: Endpoint, tokenizer_path: str | Path, problem_seed: i
         requests=stats.requests, retries=stats.retries, tokens_sampled=stats.tokens_sampled, seconds=stats.seconds)
 
 
+def agent_collect_phase(cfg, ep: Endpoint, problem_seed: int) -> CollectManifest:
+    """`task.agent` plays `collect.num_problems` tasks of `task.source`'s train split (drawn with
+    `problem_seed`: fresh tasks each cycle), each `rollout.group_size` times, through the endpoint."""
+    import asyncio
+    import random
+
+    from rollout.agents import AgentRunConfig, load_agent, run_agent
+    from rollout.task_source import load_tasks
+
+    c, r = cfg.collect, cfg.collect.rollout
+    tasks = load_tasks(cfg.task.source, "train")
+    picked = [tasks[i] for i in random.Random(problem_seed).sample(range(len(tasks)), min(c.num_problems, len(tasks)))]
+    run = AgentRunConfig(base_url=ep.url, group_size=r.group_size, concurrency=r.concurrency,
+                         episode_timeout_s=r.episode_timeout_s, request_timeout_s=r.request_timeout_s,
+                         max_retries=r.max_retries, api_key=cfg.serve.resolved_api_key() or "unused")
+    started = datetime.now(timezone.utc)
+    episodes = asyncio.run(run_agent(load_agent(cfg.task.agent), picked, run))
+    _flush(ep.url, ep.admin_token)
+    ok = [e for e in episodes if e.status == "ok"]
+    groups = [sum(1 for e in ok if e.task == i and e.reward > 0) for i in range(len(picked))]
+    for why in sorted({e.reason for e in episodes if e.status == "abandoned"}):
+        n = sum(1 for e in episodes if e.reason == why)
+        print(f"[loop] {n} episode(s) abandoned: {why}", flush=True)
+    return CollectManifest(
+        endpoint=ep.url, trace_root=str(cfg.serve.trace_root), run_id=run.run_id,
+        dates=tuple(sorted({started.date().isoformat(), _utc_date()})),
+        weight_versions=tuple(sorted({v for e in episodes for v in e.weight_versions})), started_at=started.isoformat(),
+        episodes=len(episodes), episodes_ok=len(ok), success=sum(e.reward for e in ok) / max(1, len(ok)),
+        group_successes=groups, requests=sum(len(e.trace_ids) for e in episodes),
+        seconds=round((datetime.now(timezone.utc) - started).total_seconds(), 2), source="agent")
+
+
 class NoTraffic(RuntimeError):
     """Too few rewarded episodes reached the endpoint within collect.max_wait_s: the cycle is skipped."""
 

@@ -84,7 +84,7 @@ def _phase(lp: Loop, c: CycleState, name: str, fn, load):
 
 def cycle(lp: Loop, k: int) -> CycleState:
     """One cycle, each phase once (a rerun after a kill starts at the phase it was in)."""
-    from loop.collect import NoTraffic, collect_phase, dataset_phase, log_collect, traffic_phase
+    from loop.collect import NoTraffic, agent_collect_phase, collect_phase, dataset_phase, log_collect, traffic_phase
     from loop.gate import requantize_phase, validate_phase
     from loop.promotion import promote_phase, promotion_intent
     from loop.speculator import SpeculatorStep, speculator_step
@@ -107,7 +107,10 @@ def cycle(lp: Loop, k: int) -> CycleState:
                   f"of weight version {serving['weight_version']}, mean reward {out.success:.3f}", flush=True)
             lp.display.note(reward=out.success)
             return out
-        out = collect_phase(cfg, lp.ep, lp.tokenizer, problem_seed=seed)
+        if cfg.task.agent:
+            out = agent_collect_phase(cfg, lp.ep, seed)
+        else:
+            out = collect_phase(cfg, lp.ep, lp.tokenizer, problem_seed=seed)
         print(f"[loop] collected {out.episodes} episodes ({out.episodes_ok} ok) from weight version(s) "
               f"{', '.join(map(str, out.weight_versions))} in {out.seconds:.1f}s: {out.episodes_per_s:.1f} episodes/s, "
               f"success {out.success:.1%}, {out.retries} retries", flush=True)

@@ -190,7 +190,7 @@ def gate(cfg, candidate: str, fp: str | None, serving: str, seqs, run_dir: Path,
     from pipelines.validate import KLGate, write_report
 
     g = KLGate(candidate, fp, serving, seqs, cfg.validate, stack=dict(stack_fingerprint(candidate).__dict__),
-               ope_seqs=ope_seqs)
+               ope_seqs=ope_seqs, has_eval=cfg.task.agent is None)  # your agent's tasks: OPE decides
     report = g.measure()
     if report.passed:
         from transformers import AutoConfig
@@ -316,7 +316,7 @@ def regate_on_stack_change(cfg, registry, version, status: dict, seqs, run_dir: 
     fp = version.tags.get("fp_path") or fp_of(status["path"])
     with start_run(cfg, "validate (stack change)", tags={"phase": "validate", "serving_version": version.version,
                                                           "stack_change": json.dumps(changed)}):
-        g = gate(cfg, status["path"], fp, status["path"], seqs, run_dir, out, paired=False)
+        g = gate(cfg, status["path"], fp, status["path"], seqs, run_dir, out, paired=False, ope_seqs=seqs)
         log_report(g.report)
         mlflow.log_artifacts(str(out), artifact_path="gate")
     registry.tag(version.version, stack=status["stack"], regate="pass" if g.report.passed else "fail",

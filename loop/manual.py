@@ -56,7 +56,8 @@ def validate_main(argv: list[str]) -> int:
     with start_run(cfg, "validate (manual)", tags={"phase": "validate", "candidate": a.candidate,
                                                    "serving": a.serving}):
         g = gate(cfg, a.candidate, a.fp or fp_of(a.candidate), a.serving, seqs, run_dir, out,
-                 eval_seed=gate_eval_seed(cfg, f"manual-{int(datetime.now(timezone.utc).timestamp())}"))
+                 eval_seed=gate_eval_seed(cfg, f"manual-{int(datetime.now(timezone.utc).timestamp())}"),
+                 ope_seqs=heldout(cfg, dataset, cfg.validate.ope_sequences))
         log_report(g.report)
         mlflow.log_artifacts(str(out), artifact_path="gate")
     print(g.report.summary_line())

@@ -53,9 +53,15 @@ def load_agent(spec: str) -> AgentFn:
         loader = importlib.util.spec_from_file_location(mod_name, path)
         mod = importlib.util.module_from_spec(loader)
         sys.modules[mod_name] = mod
-        loader.loader.exec_module(mod)
+        try:
+            loader.loader.exec_module(mod)
+        except Exception as e:
+            raise ValueError(f"task.agent: {path} fails to import: {type(e).__name__}: {e}") from None
     else:
-        mod = importlib.import_module(module)
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:
+            raise ValueError(f"task.agent: cannot import {module!r}: {e}") from None
     fn = getattr(mod, name, None)
     if not inspect.iscoroutinefunction(fn):
         raise ValueError(f"task.agent: {spec!r} is not an async function (async def {name}(task, client))")
@@ -84,6 +90,7 @@ class AgentEpisode:
     reward: float | None = None
     reason: str | None = None  # why it was abandoned
     trace_ids: list[str] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)  # x-flywheel-weight-version of each response
     seconds: float = 0.0
 
 
@@ -92,7 +99,7 @@ class _Tagged:
     turn number; every response's trace id is kept."""
 
     def __init__(self, episode_id: str):
-        self.episode_id, self.turn, self.trace_ids = episode_id, 0, []
+        self.episode_id, self.turn, self.trace_ids, self.versions = episode_id, 0, [], []
 
     async def on_request(self, request: httpx.Request) -> None:
         if request.url.path.endswith(("/chat/completions", "/completions")):
@@ -103,6 +110,8 @@ class _Tagged:
     async def on_response(self, response: httpx.Response) -> None:
         if trace_id := response.headers.get("x-flywheel-trace-id"):
             self.trace_ids.append(trace_id)
+        if (version := response.headers.get("x-flywheel-weight-version")) is not None:
+            self.versions.append(int(version))
 
 
 def _client(cfg: AgentRunConfig, transport: httpx.AsyncBaseTransport, tag: _Tagged):
@@ -137,7 +146,7 @@ async def _play(agent: AgentFn, task: dict, i: int, s: int, cfg: AgentRunConfig,
     else:
         reward, why = _reward(value)
         ep = AgentEpisode(eid, i, s, "abandoned" if why else ("ok" if reward is not None else "pending"), reward, why)
-    ep.trace_ids, ep.seconds = tag.trace_ids, round(time.perf_counter() - t0, 3)
+    ep.trace_ids, ep.weight_versions, ep.seconds = tag.trace_ids, tag.versions, round(time.perf_counter() - t0, 3)
     if not ep.trace_ids and ep.status != "abandoned":
         ep.status, ep.reward, ep.reason = "abandoned", None, "the agent made no request through the client it was given"
     return ep

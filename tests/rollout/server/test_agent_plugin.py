@@ -143,3 +143,38 @@ def test_tasks_come_from_jsonl_parquet_and_a_saved_datasetdict(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list([{"q": "x"}]),
                           "eval": datasets.Dataset.from_list([{"q": "y"}])}).save_to_disk(str(tmp_path / "saved"))
     assert load_tasks(tmp_path / "saved", "eval") == [{"q": "y"}]
+
+
+def test_the_loop_collects_through_the_users_agent(srv_main, tiny_base, user_folder, tmp_path, monkeypatch):
+    """`task.agent` + `task.source` in the config: the collect phase plays fresh train tasks through
+    the agent, and the dataset phase builds from that window; a bad agent or tasks file is a config
+    error naming the key (and the file and line)."""
+    from loop.collect import agent_collect_phase, dataset_phase, endpoint
+    from loop.config import load_config
+    from loop.configs import ConfigError
+    from srv_util import ADMIN_TOKEN
+
+    tasks = user_folder / "good_tasks"
+    tasks.mkdir(exist_ok=True)
+    (tasks / "train.jsonl").write_text("".join(json.dumps({"kind": k, "question": f"What is {i} + 1?", "answer": str(i + 1)})
+                                               + "\n" for i, k in enumerate(["ok", "two_turns", "ok"])))
+    agent = f"'{user_folder / 'my_agent.py'}:play'"
+    monkeypatch.setenv("FLYWHEEL_ADMIN_TOKEN", ADMIN_TOKEN)
+    cfg = load_config("conf/tiny.yaml", [
+        f"run_dir={tmp_path / 'run'}", f"serve.trace_root={srv_main.trace_root}", f"collect.endpoint={srv_main.url}",
+        f"task.agent={agent}", f"task.source='{tasks}'", "collect.num_problems=2", "collect.rollout.group_size=2",
+        "dataset.heldout_fraction=0", "dataset.min_heldout=0", "dataset.feedback_mode=override"])
+    with endpoint(cfg, tiny_base.path, tmp_path / "run") as ep:
+        collected = agent_collect_phase(cfg, ep, problem_seed=3)
+    assert (collected.source, collected.episodes, collected.episodes_ok) == ("agent", 4, 4) and collected.weight_versions
+    dataset = dataset_phase(cfg, collected, str(tiny_base.path), tmp_path / "run")
+    assert dataset.train_episodes == 4, (dataset.dropped_rows, dataset.dropped_episodes)  # the agent's rewards
+
+    base = [f"run_dir={tmp_path / 'run2'}", f"task.source='{tasks}'"]
+    with pytest.raises(ConfigError, match=r"task.*cannot import 'no_such_module'"):
+        load_config("conf/tiny.yaml", [*base, "task.agent=no_such_module:play"])
+    (tasks / "train.jsonl").write_text('{"kind": "ok"}\n{"kind": \n')
+    with pytest.raises(ConfigError, match=r"task.*train.jsonl:2: not JSON"):
+        load_config("conf/tiny.yaml", [*base, f"task.agent={agent}"])
+    with pytest.raises(ConfigError, match="agent and source go together"):
+        load_config("conf/tiny.yaml", [f"run_dir={tmp_path / 'run3'}", f"task.agent={agent}"])
