@@ -20,7 +20,7 @@ from __future__ import annotations
 import uuid
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Literal
 
@@ -46,6 +46,7 @@ class CollectConfig:
     rollout: CollectorConfig = field(default_factory=_collector_defaults)
     # source: traffic. A cycle waits for min_episodes rewarded episodes, polling every poll_s, at most max_wait_s
     min_episodes: int = 64
+    max_episodes: int | None = None  # the window ends after the first this many (None: all that came)
     max_wait_s: float = 600.0
     poll_s: float = 5.0
 
@@ -54,6 +55,8 @@ class CollectConfig:
             raise ValueError(f"source must be collector or traffic, got {self.source!r}")
         if isinstance(self.min_episodes, bool) or not isinstance(self.min_episodes, int) or self.min_episodes < 2:
             raise ValueError(f"min_episodes must be an int >= 2, got {self.min_episodes!r}")
+        if self.max_episodes is not None and self.max_episodes < self.min_episodes:
+            raise ValueError(f"max_episodes must be >= min_episodes or null, got {self.max_episodes}")
         if not (self.max_wait_s >= 0 and self.poll_s > 0):
             raise ValueError(f"max_wait_s must be >= 0 and poll_s > 0, got {self.max_wait_s}, {self.poll_s}")
         if self.endpoint is not None and not str(self.endpoint).startswith(("http://", "https://")):
@@ -237,21 +240,24 @@ def traffic_phase(cfg, ep: Endpoint, tokenizer: str, weight_version: int, since:
         until = datetime.now(timezone.utc).isoformat()
         window = cfg.dataset.dataset(Path(cfg.serve.trace_root), Path("."), tokenizer, cfg.serve.logprobs_mode,
                                      weight_versions=(weight_version,), since=since, until=until)
-        rewards = rewarded_episodes(window)
+        found = rewarded_episodes(window)
         waited = time.monotonic() - t0
-        if len(rewards) >= c.min_episodes:
+        if len(found) >= c.min_episodes:
+            if c.max_episodes is not None and len(found) > c.max_episodes:  # end the window after the first ones
+                until = (found[c.max_episodes - 1][0] + timedelta(microseconds=1)).isoformat()
+                found = found[:c.max_episodes]
             break
         if waited >= c.max_wait_s:
-            raise NoTraffic(f"{len(rewards)} of collect.min_episodes {c.min_episodes} episodes served by weight version "
+            raise NoTraffic(f"{len(found)} of collect.min_episodes {c.min_episodes} episodes served by weight version "
                             f"{weight_version} since {since or 'it started'} have a reward or a rating after "
                             f"collect.max_wait_s {c.max_wait_s:g}s: cycle skipped, nothing trained")
-        print(f"[loop] waiting for traffic: {len(rewards)}/{c.min_episodes} rewarded episodes of weight version "
+        print(f"[loop] waiting for traffic: {len(found)}/{c.min_episodes} rewarded episodes of weight version "
               f"{weight_version} ({waited:.0f}/{c.max_wait_s:g}s)", flush=True)
         time.sleep(min(c.poll_s, max(0.0, c.max_wait_s - waited)))
     return CollectManifest(
         endpoint=ep.url, trace_root=str(cfg.serve.trace_root), run_id=f"traffic-v{weight_version}-{uuid.uuid4().hex[:6]}",
-        dates=(), weight_versions=(weight_version,), started_at=since or "", episodes=len(rewards),
-        episodes_ok=len(rewards), success=sum(rewards) / len(rewards), seconds=round(time.monotonic() - t0, 2),
+        dates=(), weight_versions=(weight_version,), started_at=since or "", episodes=len(found),
+        episodes_ok=len(found), success=sum(r for _, r in found) / len(found), seconds=round(time.monotonic() - t0, 2),
         source="traffic", until=until)
 
 

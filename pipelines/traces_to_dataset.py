@@ -238,11 +238,11 @@ def _chunks(starts: np.ndarray, chunk_rows: int):
         e0 = e1
 
 
-def rewarded_episodes(cfg: DatasetConfig) -> list[float]:
-    """The feedback reward (or rating, by `cfg.rating_range`) of each episode in the window that
-    has one: what a traffic-fed cycle waits for before it builds its dataset. Cheap: ids and
-    feedback only, no tokens (an episode without feedback may still get a reward from
-    `cfg.reward_fn` when the dataset is built)."""
+def rewarded_episodes(cfg: DatasetConfig) -> list[tuple[datetime, float]]:
+    """(last trace's time, feedback reward or rating by `cfg.rating_range`) of each episode in the
+    window that has one, oldest first: what a traffic-fed cycle waits for before it builds its
+    dataset. Cheap: ids and feedback only, no tokens (an episode without feedback may still get a
+    reward from `cfg.reward_fn` when the dataset is built)."""
     from pipelines.rewards import rating_reward
 
     table = read_traces(cfg.trace_root, dates=cfg.dates, weight_versions=cfg.weight_versions,
@@ -252,14 +252,17 @@ def rewarded_episodes(cfg: DatasetConfig) -> list[float]:
     if table.num_rows == 0:
         return []
     ep_keys = pc.coalesce(table["episode_id"], table["trace_id"])
+    last: dict[str, datetime] = {}  # each episode's last trace (rows come unordered)
+    for k, t in zip(ep_keys.to_pylist(), table["created_at"].to_pylist()):
+        last[k] = max(last.get(k, t), t)
     out = []
-    for rows in _feedback_by_episode(cfg, table["trace_id"], ep_keys, pc.min(table["created_at"]).as_py()).values():
+    for key, rows in _feedback_by_episode(cfg, table["trace_id"], ep_keys, pc.min(table["created_at"]).as_py()).items():
         if any(f.source == ABANDONED for f in rows):
             continue
         values = [v for v in (rating_reward(f, cfg.rating_range) for f in rows) if v is not None]
         if values:
-            out.append(values[-1])
-    return out
+            out.append((last[key], values[-1]))
+    return sorted(out, key=lambda x: x[0])
 
 
 def _feedback_by_episode(cfg: DatasetConfig, trace_ids: pa.ChunkedArray, ep_keys: pa.ChunkedArray,

@@ -49,6 +49,11 @@ def test_traffic_mode_waits_skips_then_trains_on_ungrouped_feedback(srv_main, ti
             assert r.status_code == 200, r.text
         window = traffic_phase(cfg, ep, str(tiny_base.path), version, since)
     assert window.source == "traffic" and window.episodes == 5 and window.success == pytest.approx(3 / 5)
+    cfg.collect.max_episodes = 4  # the window ends after the first four rated episodes
+    with endpoint(cfg, tiny_base.path, tmp_path / "run") as ep:
+        first4 = traffic_phase(cfg, ep, str(tiny_base.path), version, since)
+    assert first4.episodes == 4 and first4.success == pytest.approx(2 / 4) and first4.until < window.until  # up, down, up, down
+    cfg.collect.max_episodes = None
     dataset = dataset_phase(cfg, window, str(tiny_base.path), tmp_path / "run")
     assert dataset.train_episodes == 5 and dataset.dropped_episodes.get("missing_reward") == 1
     assert dataset.parent.until == window.until and dataset.parent.weight_versions == (version,)
