@@ -15,9 +15,10 @@ from rollout.traces import Feedback
 T0 = datetime(2026, 12, 2, tzinfo=timezone.utc)
 
 
-def _record(tok, messages, feedback=()) -> EpisodeRecord:
+def _record(tok, messages, feedback=(), rating_range=(-1, 1)) -> EpisodeRecord:
     ids = tok.apply_chat_template(messages, tools=TOOLS, tokenize=True, return_dict=False)
-    return EpisodeRecord("e", ("t",), list(ids), lambda x: tok.decode(x, skip_special_tokens=False), tuple(feedback))
+    return EpisodeRecord("e", ("t",), list(ids), lambda x: tok.decode(x, skip_special_tokens=False), tuple(feedback),
+                         rating_range)
 
 
 def test_task_reward_on_rendered_demonstrations(tiny_tokenizer):
@@ -49,8 +50,11 @@ def test_feedback_modes_and_latest_feedback_wins(tiny_tokenizer):
     fb = [Feedback(trace_id="t", reward=0.0, created_at=T0), Feedback(trace_id="t", rating=1, created_at=T0),
           Feedback(trace_id="t", reward=0.5, created_at=T0 + timedelta(seconds=1)),
           Feedback(trace_id="t", rating=-1, created_at=T0 + timedelta(seconds=2))]
-    ep = _record(tiny_tokenizer, demonstration(p), fb)
-    assert ep.feedback_reward == 0.5  # the latest row with a reward; ratings alone don't count
+    # the latest row: a thumbs-down rating counts as 0 (dataset.rating_range [-1, 1])
+    assert _record(tiny_tokenizer, demonstration(p), fb).feedback_reward == 0.0
+    # on a 1..5 star scale -1 is no rating at all: the latest row with a reward
+    ep = _record(tiny_tokenizer, demonstration(p), fb, rating_range=(1, 5))
+    assert ep.feedback_reward == 0.5
     assert score(ep, task_reward, "ignore") == 1.0
     assert score(ep, task_reward, "override") == 0.5
     assert score(ep, task_reward, "mean") == 0.75
