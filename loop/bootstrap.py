@@ -155,19 +155,25 @@ def bootstrap(cfg: BootstrapConfig, task: TaskConfig, log=lambda step, metrics: 
 
 def evaluate_with_vllm(manifest: BaseModelManifest, task: TaskConfig, engine_cfg, llm=None) -> dict:
     """Base success on the eval split through the vLLM engine, greedy and at T=1.0; saved in the
-    manifest. Pass a running `llm` to reuse an engine."""
+    manifest. Pass a running `llm` to reuse an engine; one made here is shut down after (its
+    engine-core process and memory would otherwise stay with `loop run` for all its cycles)."""
     from transformers import AutoTokenizer
 
     from loop.evaluate import eval_success
     from rollout.engine import make_llm
 
+    own = llm is None
     llm = llm or make_llm(manifest.path, engine_cfg)
     tokenizer = AutoTokenizer.from_pretrained(manifest.path)
     result = {"num_problems": task.num_eval_problems}
-    for name, temperature in (("vllm_greedy", 0.0), ("vllm_t1", 1.0)):
-        t0 = time.perf_counter()
-        result[name] = eval_success(llm, tokenizer, task, temperature)
-        result[name + "_seconds"] = round(time.perf_counter() - t0, 2)
+    try:
+        for name, temperature in (("vllm_greedy", 0.0), ("vllm_t1", 1.0)):
+            t0 = time.perf_counter()
+            result[name] = eval_success(llm, tokenizer, task, temperature)
+            result[name + "_seconds"] = round(time.perf_counter() - t0, 2)
+    finally:
+        if own:
+            llm.llm_engine.engine_core.shutdown()
     manifest.eval = result
     if Path(manifest.path, MANIFEST).is_file():
         manifest.save(manifest.path)
