@@ -250,6 +250,11 @@ def test_vllm_serves_the_fake_quant_function(case, kq_tiny_src, tmp_path):
     fmt = "w8a8" if spec.weight_bits == 8 else "w4a16"
     if not caps.can_serve(fmt):
         pytest.skip(caps.why_not(fmt))
+    if fmt == "w8a8" and not caps.int8_exact:
+        pytest.skip("this CPU has no int8 dot-product instructions (VNNI, AMX): vLLM's W8A8 GEMM here is not the exact "
+                    "int8 matmul (measured on an AVX2-only EPYC: 1.3% of identity-probe outputs up to 0.44 apart, "
+                    "logprobs of this random model 0.47 nats off on average, 10x the bf16 floor); W8A8 still serves, "
+                    "and the gate's engine check and damage KL measure it on the real model")
     folder = tmp_path / "ckpt"
     fake_quant_model, float_model = build(kq_tiny_src, folder, spec, keep)
     prompts = kq_prompts()
