@@ -120,6 +120,13 @@ def eval_main(argv: list[str]) -> int:
     a = p.parse_intermixed_args(argv)
     try:
         cfg = load_config(a.config, a.overrides)
+        if cfg.task.agent:  # your agent on your eval tasks, through a server of MODEL
+            from loop.evaluate import agent_eval
+
+            result = agent_eval(cfg, a.model)
+            print(json.dumps(result) if a.json else f"{a.model} with {cfg.task.agent}: success {result['success']:.1%} on "
+                  f"{result['num_problems']} eval tasks ({result['abandoned']} abandoned, {result['pending']} rewarded later)")
+            return 0
         result = evaluate_here(cfg, a.model, a.quant, tuple(a.temperature),
                                (*a.logprobs, a.logprobs_k) if a.logprobs else None, a.paired, a.eval_seed)
     except ConfigError as e:

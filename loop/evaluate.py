@@ -110,3 +110,35 @@ def served_success(config: str, model: str, quant: str, overrides: list[str] = (
         raise RuntimeError(f"evaluation of {model} ({quant}) failed:\n{proc.stderr[-3000:]}")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"model"')]  # vLLM logs to stdout too
     return json.loads(lines[-1])
+
+
+def agent_eval(cfg, model: str) -> dict:
+    """Your agent (`task.agent`) on `task.source`'s eval split (its first `task.num_eval_problems`
+    tasks), each played once, through `loop serve` of `model` in a child process (its traces go to
+    a scratch folder: evaluation traffic is not training data). Success is the mean reward, an
+    abandoned episode counting 0; an episode whose reward comes later is left out and counted."""
+    import asyncio
+    import tempfile
+    from pathlib import Path
+
+    from loop.configs import ConfigError, to_yaml
+    from rollout.agents import AgentRunConfig, load_agent, run_agent
+    from rollout.server.process import ServerProcess
+    from rollout.task_source import load_tasks
+
+    tasks = load_tasks(cfg.task.source, "eval")[:cfg.task.num_eval_problems]
+    if not tasks:
+        raise ConfigError(f"task.source {cfg.task.source}: the eval split holds no task")
+    r = cfg.collect.rollout
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "serve.yaml").write_text(to_yaml(cfg))
+        with ServerProcess(Path(d) / "serve.yaml", model, Path(d) / "data", Path(d) / "serve.log") as srv:
+            run = AgentRunConfig(base_url=srv.url, group_size=1, concurrency=r.concurrency,
+                                 episode_timeout_s=r.episode_timeout_s, request_timeout_s=r.request_timeout_s,
+                                 api_key=cfg.serve.resolved_api_key() or "unused")
+            episodes = asyncio.run(run_agent(load_agent(cfg.task.agent), tasks, run))
+    scored = [e.reward if e.status == "ok" else 0.0 for e in episodes if e.status != "pending"]
+    return {"model": str(model), "agent": cfg.task.agent, "num_problems": len(tasks), "success": sum(scored) / max(1, len(scored)),
+            "outcomes": scored, "abandoned": sum(e.status == "abandoned" for e in episodes),
+            "pending": sum(e.status == "pending" for e in episodes), "seconds": round(time.perf_counter() - t0, 1)}

@@ -178,3 +178,23 @@ def test_the_loop_collects_through_the_users_agent(srv_main, tiny_base, user_fol
         load_config("conf/tiny.yaml", [*base, f"task.agent={agent}"])
     with pytest.raises(ConfigError, match="agent and source go together"):
         load_config("conf/tiny.yaml", [f"run_dir={tmp_path / 'run3'}", f"task.agent={agent}"])
+
+
+def test_loop_eval_plays_the_eval_split_through_the_agent(tiny_base, user_folder, tmp_path, capsys):
+    """`loop eval CONFIG MODEL task.agent=... task.source=...`: the eval tasks, once each, through
+    a server of MODEL; abandoned episodes count 0, later rewards are left out and counted."""
+    from loop.cli import main
+
+    tasks = user_folder / "eval_tasks"
+    tasks.mkdir(exist_ok=True)
+    kinds = ["ok", "ok", "raise", "later", "two_turns"]
+    (tasks / "eval.jsonl").write_text("".join(json.dumps({"kind": k, "question": f"What is {i} + 3?", "answer": str(i + 3)})
+                                              + "\n" for i, k in enumerate(kinds)))
+    (tasks / "train.jsonl").write_text(json.dumps({"kind": "ok", "question": "1 + 1?", "answer": "2"}) + "\n")
+    rc = main(["eval", "conf/tiny.yaml", str(tiny_base.path), f"run_dir={tmp_path}", "--json",
+               f"task.agent='{user_folder / 'my_agent.py'}:play'", f"task.source='{tasks}'"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (out["num_problems"], out["abandoned"], out["pending"]) == (5, 1, 1)
+    assert len(out["outcomes"]) == 4 and 0.5 in out["outcomes"] and 0.0 in out["outcomes"]
+    assert out["success"] == pytest.approx(sum(out["outcomes"]) / 4)
