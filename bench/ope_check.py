@@ -23,20 +23,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's packages, not bench/kernels.py
 
 
-def estimate(report: dict, clip: float, alpha: float) -> dict:
+def estimate(report: dict, clip: float, alpha: float, normalize: bool) -> dict:
     from pipelines.logits import (at_temperature, dataset_sequences, model_logprobs, scored_behaviour, scored_counts,
                                   scored_targets, scored_temperatures)
     from pipelines.ope import episode_log_ratios, ope
     from pipelines.served import load_twin
 
-    if report.get("ope"):
+    if report.get("ope") and report["ope"].get("normalized", True) == normalize:
         return report["ope"]
     dataset = report["heldout"]["source"].rsplit(":", 1)[0]
     seqs = dataset_sequences(dataset, "heldout", 512)
     lp = at_temperature(model_logprobs(load_twin(report["candidate"]), seqs), scored_temperatures(seqs))
     targets = scored_targets(seqs)
     ratios = episode_log_ratios(lp[torch.arange(len(targets)), targets], scored_behaviour(seqs), scored_counts(seqs))
-    return ope(ratios, seqs.rewards, clip=clip, alpha=alpha).to_dict()
+    return ope(ratios, seqs.rewards, clip=clip, alpha=alpha, normalize=normalize).to_dict()
 
 
 def main() -> None:
@@ -45,6 +45,7 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=10.0)
     p.add_argument("--alpha", type=float, default=0.1)
     p.add_argument("--margin", type=float, default=-0.05, help="validate.min_success_delta")
+    p.add_argument("--normalize", action="store_true", help="self-normalized IS (validate.ope_normalize)")
     a = p.parse_args()
     reports = sorted(Path(a.run, "gates").glob("*/gate_report.json"), key=lambda f: f.stat().st_mtime)
     rows = []
@@ -55,7 +56,7 @@ def main() -> None:
         r = json.loads(f.read_text())
         if "success_delta" not in r.get("eval", {}):
             continue  # stopped before the engine stage
-        o, e = estimate(r, a.clip, a.alpha), r["eval"]
+        o, e = estimate(r, a.clip, a.alpha, a.normalize), r["eval"]
         by_ope, by_eval = o["lower"] > a.margin, e["success_delta_lower"] > a.margin
         rows.append((o, e, by_ope, by_eval))
         print(f"| {k} | {o['value']:.3f} | {o['logged']:.3f} | {o['delta']:+.3f} [{o['lower']:+.3f}, {o['upper']:+.3f}] "

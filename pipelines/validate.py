@@ -66,6 +66,7 @@ class GateConfig:
     # reported whenever both exist, so the estimator is checked against the eval every cycle.
     ope_sequences: int = 512
     ope_clip: float = 10.0
+    ope_normalize: bool = False  # self-normalized IS (lower variance; overstated RL candidates here)
     success_source: Literal["auto", "eval", "ope"] = "auto"
     engine_tolerance: float | None = None  # twin vs engine mean |Δ logprob|; None: the canary's for the format here
     engine_topk: int = 20  # log-probs per position from the engine when the vocabulary is large
@@ -224,7 +225,7 @@ class KLGate:
         mine = at_temperature(model_logprobs(cand, s), scored_temperatures(s))
         targets = scored_targets(s)
         ratios = episode_log_ratios(mine[torch.arange(len(targets)), targets], scored_behaviour(s), scored_counts(s))
-        est = ope(ratios, s.rewards, clip=self.cfg.ope_clip, alpha=self.cfg.success_alpha)
+        est = ope(ratios, s.rewards, clip=self.cfg.ope_clip, alpha=self.cfg.success_alpha, normalize=self.cfg.ope_normalize)
         self.report.ope = est.to_dict() | {"source": s.source}
         if self.decides_by_ope and not round(est.lower, 12) > self.cfg.min_success_delta:
             self.report.reasons.append(

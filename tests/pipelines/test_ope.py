@@ -35,7 +35,8 @@ def _logged(behaviour, candidate, p, n: int, g: torch.Generator):
     return flat(candidate), flat(behaviour), rewards
 
 
-def test_the_estimate_finds_the_true_value_and_its_interval_covers_it():
+@pytest.mark.parametrize("normalize", [False, True])
+def test_the_estimate_finds_the_true_value_and_its_interval_covers_it(normalize):
     behaviour, candidate, p = _world(0)
     truth = _value(candidate, p) - _value(behaviour, p)
     assert abs(truth) > 0.03  # a candidate that differs
@@ -44,7 +45,7 @@ def test_the_estimate_finds_the_true_value_and_its_interval_covers_it():
     trials = 60
     for _ in range(trials):
         cand, beh, r = _logged(behaviour, candidate, p, 1500, g)
-        est = ope(episode_log_ratios(cand, beh, [2] * len(r)), r, clip=50.0, alpha=0.1, resamples=500)
+        est = ope(episode_log_ratios(cand, beh, [2] * len(r)), r, clip=50.0, alpha=0.1, resamples=500, normalize=normalize)
         errors.append(est.value - _value(candidate, p))
         covered += est.lower <= truth
         assert est.lower <= est.delta <= est.upper and 0 < est.ess <= est.n
@@ -54,12 +55,13 @@ def test_the_estimate_finds_the_true_value_and_its_interval_covers_it():
     assert covered / trials >= 0.8, covered  # nominal 0.9, one-sided
 
 
-def test_the_serving_policy_estimates_its_own_logged_reward():
+@pytest.mark.parametrize("normalize", [False, True])
+def test_the_serving_policy_estimates_its_own_logged_reward(normalize):
     behaviour, _, p = _world(2)
     cand, beh, r = _logged(behaviour, behaviour, p, 400, torch.Generator().manual_seed(3))
-    est = ope(episode_log_ratios(cand, beh, [2] * len(r)), r)
+    est = ope(episode_log_ratios(cand, beh, [2] * len(r)), r, normalize=normalize)
     assert est.value == pytest.approx(float(r.mean())) and est.delta == pytest.approx(0, abs=1e-12)
-    assert est.ess == pytest.approx(400) and est.clipped == 0
+    assert est.ess == pytest.approx(400) and est.clipped == 0 and est.mean_weight == pytest.approx(1)
     assert est.lower == pytest.approx(0, abs=1e-12)
 
 
