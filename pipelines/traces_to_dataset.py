@@ -56,9 +56,7 @@ def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
     decode = partial(AutoTokenizer.from_pretrained(cfg.tokenizer).backend_tokenizer.decode, skip_special_tokens=False)
     reward_fn = load_fn(cfg.reward_fn)
 
-    table = read_traces(cfg.trace_root, dates=cfg.dates, weight_versions=cfg.weight_versions,
-                        since=None if cfg.since is None else datetime.fromisoformat(cfg.since),
-                        until=None if cfg.until is None else datetime.fromisoformat(cfg.until), columns=READ_COLUMNS)
+    table = window_traces(cfg, READ_COLUMNS)
     order = order_episodes(table.select([c for c in READ_COLUMNS if "token" not in c and "logprobs" not in c]),
                            cfg.logprobs_mode)
     ep_keys = pc.coalesce(table["episode_id"], table["trace_id"])
@@ -238,6 +236,15 @@ def _chunks(starts: np.ndarray, chunk_rows: int):
         e0 = e1
 
 
+def window_traces(cfg: DatasetConfig, columns: list[str]) -> pa.Table:
+    """The trace rows of the config's window: its dates, weight versions, and since..until."""
+    def at(t: str | None) -> datetime | None:
+        return None if t is None else datetime.fromisoformat(t)
+
+    return read_traces(cfg.trace_root, dates=cfg.dates, weight_versions=cfg.weight_versions, since=at(cfg.since),
+                       until=at(cfg.until), columns=columns)
+
+
 def rewarded_episodes(cfg: DatasetConfig) -> list[tuple[datetime, float]]:
     """(last trace's time, feedback reward or rating by `cfg.rating_range`) of each episode in the
     window that has one, oldest first: what a traffic-fed cycle waits for before it builds its
@@ -245,10 +252,7 @@ def rewarded_episodes(cfg: DatasetConfig) -> list[tuple[datetime, float]]:
     reward from `cfg.reward_fn` when the dataset is built)."""
     from pipelines.rewards import rating_reward
 
-    table = read_traces(cfg.trace_root, dates=cfg.dates, weight_versions=cfg.weight_versions,
-                        since=None if cfg.since is None else datetime.fromisoformat(cfg.since),
-                        until=None if cfg.until is None else datetime.fromisoformat(cfg.until),
-                        columns=["trace_id", "episode_id", "created_at"])
+    table = window_traces(cfg, ["trace_id", "episode_id", "created_at"])
     if table.num_rows == 0:
         return []
     ep_keys = pc.coalesce(table["episode_id"], table["trace_id"])

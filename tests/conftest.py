@@ -117,23 +117,33 @@ def ds_tokenizer_path(tiny_base) -> str:
     return str(tiny_base.path)
 
 
+def planted_dataset(ds_episodes, root, tokenizer, episode_id=lambda i: f"rl-{i // 4}-{i % 4}", reward=lambda i: i % 2):
+    """The shared episodes under ids `episode_id(i)` (default `<run>-<problem>-<sample>`: one round,
+    groups of 4) with planted rewards `reward(i)` as feedback ("override" mode); no held-out split."""
+    from pipelines.traces_to_dataset import DatasetConfig, build_dataset
+
+    traces, feedback = [], []
+    for i, (_, ep) in enumerate(ds_episodes):
+        tr = episode_traces(ep, episode_id(i))
+        traces += tr
+        feedback.append(Feedback(trace_id=tr[-1].trace_id, episode_id=tr[-1].episode_id, reward=float(reward(i)),
+                                 source="env:planted", created_at=tr[-1].created_at))
+    write_traces(root / "data", traces, feedback)
+    return build_dataset(DatasetConfig(trace_root=root / "data", out_dir=root / "ds", tokenizer=tokenizer,
+                                       heldout_fraction=0.0, feedback_mode="override"))
+
+
 @pytest.fixture(scope="session")
-def rl_dataset(ds_episodes, ds_traces, ds_write, ds_tokenizer_path, tmp_path_factory):
+def ds_planted():
+    """`planted_dataset(ds_episodes, root, tokenizer, episode_id=, reward=)`: an RL dataset of them."""
+    return planted_dataset
+
+
+@pytest.fixture(scope="session")
+def rl_dataset(ds_episodes, ds_tokenizer_path, tmp_path_factory):
     """The shared episodes with planted rewards: within each group, alternate episodes score 1 and 0
     (feedback in "override" mode), so every group carries signal; no held-out split."""
-    from pipelines.traces_to_dataset import DatasetConfig, build_dataset
-    from rollout.traces import Feedback
-
-    root = tmp_path_factory.mktemp("rl-data")
-    traces, feedback = [], []
-    for i, (eid, ep) in enumerate(ds_episodes):
-        tr = ds_traces(ep, f"rl-{i // 4}-{i % 4}")  # <run>-<problem>-<sample>: one round
-        traces += tr
-        feedback.append(Feedback(trace_id=tr[-1].trace_id, episode_id=tr[-1].episode_id, reward=float(i % 2),
-                                 source="env:planted", created_at=tr[-1].created_at))
-    ds_write(root / "data", traces, feedback)
-    return build_dataset(DatasetConfig(trace_root=root / "data", out_dir=root / "ds", tokenizer=ds_tokenizer_path,
-                                       heldout_fraction=0.0, feedback_mode="override"))
+    return planted_dataset(ds_episodes, tmp_path_factory.mktemp("rl-data"), ds_tokenizer_path)
 
 
 @pytest.fixture(scope="session")

@@ -11,28 +11,12 @@ import torch
 from trainers.rl.data import NoSignal, check_dataset, load_episodes, resolve_estimator
 
 
-def _dataset(ds_episodes, ds_traces, ds_write, tokenizer, root, episode_id, reward):
-    """The shared episodes (2 problems x 4 samples) under ids `episode_id(i)` with rewards `reward(i)`."""
-    from pipelines.traces_to_dataset import DatasetConfig, build_dataset
-    from rollout.traces import Feedback
-
-    traces, feedback = [], []
-    for i, (_, ep) in enumerate(ds_episodes):
-        tr = ds_traces(ep, episode_id(i))
-        traces += tr
-        feedback.append(Feedback(trace_id=tr[-1].trace_id, episode_id=tr[-1].episode_id, reward=float(reward(i)),
-                                 source="env:planted", created_at=tr[-1].created_at))
-    ds_write(root / "data", traces, feedback)
-    return build_dataset(DatasetConfig(trace_root=root / "data", out_dir=root / "ds", tokenizer=tokenizer,
-                                       heldout_fraction=0.0, feedback_mode="override"))
-
-
 @pytest.fixture(scope="module")
-def datasets(ds_episodes, ds_traces, ds_write, ds_tokenizer_path, tmp_path_factory):
-    """grouped: two rounds' groups of 4; singletons: every episode its own round (played once, as
+def datasets(ds_episodes, ds_planted, ds_tokenizer_path, tmp_path_factory):
+    """grouped: two problems' groups of 4; singletons: every episode its own round (played once, as
     an outside agent's users do); mixed: the first problem's 4 grouped, the second's alone."""
-    make = lambda name, ids: _dataset(ds_episodes, ds_traces, ds_write, ds_tokenizer_path,  # noqa: E731
-                                      tmp_path_factory.mktemp(name), ids, lambda i: i % 2)
+    make = lambda name, ids: ds_planted(ds_episodes, tmp_path_factory.mktemp(name),  # noqa: E731
+                                        ds_tokenizer_path, ids)
     return {"grouped": make("grouped", lambda i: f"rl-{i // 4}-{i % 4}"),
             "singletons": make("singletons", lambda i: f"user{i}-0"),
             "mixed": make("mixed", lambda i: f"rl-0-{i}" if i < 4 else f"user{i}-0")}
