@@ -59,9 +59,6 @@ def deploys(cfg) -> tuple[bool, str]:
         return False, (f"vLLM on {caps.device} does not sample from the target when it speculates at "
                        f"temperature {t:g} (collect.rollout.temperature): drafts are trained and measured "
                        "offline, not served by the rollout server")
-    if cfg.serve.logprobs_mode != "raw_logprobs":
-        raise ValueError("speculator.enabled: a speculating server needs serve.logprobs_mode: raw_logprobs (vLLM "
-                         "returns NaN processed logprobs for speculated tokens; raw ones are exact at temperature 1)")
     return True, ""
 
 

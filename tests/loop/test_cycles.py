@@ -34,7 +34,7 @@ def loop_args(cfg, run_dir: Path) -> list[str]:
 
 
 # the speculator phase on a draft of a few thousand weights (the end-to-end run; the kill test runs without)
-SPECULATOR = ["speculator.enabled=true", "serve.logprobs_mode=raw_logprobs", "speculator.steps=30",
+SPECULATOR = ["speculator.enabled=true", "speculator.steps=30",
               "speculator.batch_size=16", "speculator.lr=0.01",
               "speculator.draft.hidden_size=32", "speculator.draft.intermediate_size=64", "speculator.draft.num_layers=1",
               "speculator.eval_positions=200", "speculator.heldout_fraction=0.25"]

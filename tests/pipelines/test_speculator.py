@@ -16,17 +16,8 @@ SHAPE = DraftShape(hidden_size=32, num_layers=1, num_heads=1, num_kv_heads=1, in
 
 
 @pytest.fixture(scope="module")
-def traffic(tiny_llm, tiny_tokenizer, ds_traces, ds_write, tmp_path_factory):
-    """48 problems x 2 samples at T=1, as the server traces them (one row per turn)."""
-    from rollout.engine import vllm_generate
-    from rollout.episode import run_episodes
-    from rollout.task import make_problems
-
-    problems = [p for p in make_problems("train", 48, seed=11) for _ in range(2)]
-    episodes = run_episodes(problems, tiny_tokenizer, vllm_generate(tiny_llm), temperature=1.0, max_tokens=48)
-    root = tmp_path_factory.mktemp("spec-traffic") / "data"
-    ds_write(root, [t for i, ep in enumerate(episodes) for t in ds_traces(ep, f"spec-{i}")])
-    return root
+def traffic(spec_traffic):
+    return spec_traffic
 
 
 def test_split_is_disjoint_and_only_completions_are_scored(traffic):

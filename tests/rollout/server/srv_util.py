@@ -141,3 +141,50 @@ class StreamingLoad:
         self._stop.set()
         for t in self.threads:
             t.join(120)
+
+
+def sampled_row(server, tokenizer, temperature: float, top_p: float, max_tokens: int = 24, seed: int = 3) -> dict:
+    """The trace row of one sampled /v1/completions request on the chat prompt (token ids in)."""
+    prompt = tokenizer.apply_chat_template(chat_messages(), add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": "flywheel", "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+        "seed": seed})
+    assert r.status_code == 200, r.text
+    row = server.trace(r.headers["x-flywheel-trace-id"])
+    assert row["sampling"]["logprobs_mode"] == "processed_logprobs"
+    assert abs(row["sampling"]["temperature"] - temperature) < 1e-6 and abs(row["sampling"]["top_p"] - top_p) < 1e-6
+    return row
+
+
+def assert_sampling_logprobs(row: dict, model_path: str, temperature: float, top_p: float) -> None:
+    """The row's behaviour logprobs are those of the distribution each token was drawn from
+    (temperature, then the nucleus, renormalized), recomputed by a float32 transformers forward;
+    and the test can tell them from the raw logprobs (before both) on this sample."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids, out = row["prompt_token_ids"], row["completion_token_ids"]
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + out])).logits[0, len(ids) - 1:-1].float() / temperature
+    # vLLM's nucleus: drop the tokens whose ascending cumulative probability is <= 1 - top_p. A
+    # token within 1e-4 of that edge may fall either side of it in vLLM's float32 (its sort and
+    # sums are not ours): both nuclei are computed, and each position must match one of them.
+    sorted_logits, order = logits.sort(-1)
+    cum = sorted_logits.softmax(-1).cumsum(-1)
+    edge = (cum - (1 - top_p)).abs() < 1e-4
+    ids = torch.tensor(out)[:, None]
+
+    def nucleus_logprobs(drop):
+        drop[:, -1] = False
+        kept = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        return kept.log_softmax(-1).gather(-1, ids)[:, 0]
+
+    got = torch.tensor(row["completion_logprobs"])
+    assert torch.isfinite(got).all(), got
+    err = torch.minimum((got - nucleus_logprobs((cum <= 1 - top_p) & ~edge)).abs(),
+                        (got - nucleus_logprobs((cum <= 1 - top_p) | edge)).abs())
+    assert err.max() < 2e-3, err
+    raw = (logits * temperature).log_softmax(-1).gather(-1, ids)[:, 0]
+    assert (got - raw).abs().max() > 0.05  # the test can tell the two apart on this sample

@@ -11,7 +11,7 @@ import tempfile
 import aiohttp
 import httpx
 import pytest
-from srv_util import ADMIN_TOKEN, chat_messages, sse_events
+from srv_util import ADMIN_TOKEN, assert_sampling_logprobs, chat_messages, sampled_row, sse_events
 
 from rollout.task import TOOLS
 
@@ -71,40 +71,8 @@ def test_logged_logprobs_are_the_sampling_distributions(srv_main, tiny_base, tin
     """At T=0.7 and top-p 0.9 the trace's behaviour logprobs are those of the distribution the
     token was drawn from (temperature, then the nucleus, renormalized), recomputed here by a
     float32 transformers forward; vLLM's raw logprobs (before both) would be far off."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    prompt = tiny_tokenizer.apply_chat_template(chat_messages(), add_generation_prompt=True, tokenize=True)
-    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
-    r = httpx.post(srv_main.url + "/v1/completions", timeout=60, json={
-        "model": "flywheel", "prompt": prompt, "max_tokens": 24, "temperature": 0.7, "top_p": 0.9, "seed": 3})
-    assert r.status_code == 200, r.text
-    row = srv_main.trace(r.headers["x-flywheel-trace-id"])
-    assert row["sampling"]["logprobs_mode"] == "processed_logprobs"
-    assert row["sampling"]["temperature"] == pytest.approx(0.7) and row["sampling"]["top_p"] == pytest.approx(0.9)
-    ids, out = row["prompt_token_ids"], row["completion_token_ids"]
-    model = AutoModelForCausalLM.from_pretrained(tiny_base.path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([ids + out])).logits[0, len(ids) - 1:-1].float() / 0.7
-    # vLLM's nucleus: drop the tokens whose ascending cumulative probability is <= 1 - top_p. A
-    # token within 1e-4 of that edge may fall either side of it in vLLM's float32 (its sort and
-    # sums are not ours): both nuclei are computed, and each position must match one of them.
-    sorted_logits, order = logits.sort(-1)
-    cum = sorted_logits.softmax(-1).cumsum(-1)
-    edge = (cum - (1 - 0.9)).abs() < 1e-4
-    ids = torch.tensor(out)[:, None]
-
-    def nucleus_logprobs(drop):
-        drop[:, -1] = False
-        kept = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-        return kept.log_softmax(-1).gather(-1, ids)[:, 0]
-
-    got = torch.tensor(row["completion_logprobs"])
-    err = torch.minimum((got - nucleus_logprobs((cum <= 0.1) & ~edge)).abs(),
-                        (got - nucleus_logprobs((cum <= 0.1) | edge)).abs())
-    assert err.max() < 2e-3, err
-    raw = (logits * 0.7).log_softmax(-1).gather(-1, ids)[:, 0]
-    assert (got - raw).abs().max() > 0.05  # the test can tell the two apart on this sample
+    row = sampled_row(srv_main, tiny_tokenizer, temperature=0.7, top_p=0.9)
+    assert_sampling_logprobs(row, tiny_base.path, temperature=0.7, top_p=0.9)
 
 
 def test_json_schema_response_format(srv_client):

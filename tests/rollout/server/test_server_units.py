@@ -40,8 +40,20 @@ def test_speculative_config_and_vllm_args():
     assert args[args.index("--port") + 1] == "1234" and "--enable-prefix-caching" in args
     assert args[args.index("--tool-call-parser") + 1] == "hermes" and "--enable-auto-tool-choice" in args
     assert "--speculative-config" not in vllm_cli_args(ServeConfig(), EngineConfig(), "/m")
-    with pytest.raises(ValueError, match="needs logprobs_mode raw_logprobs"):  # vLLM's speculated NaNs
-        ServeConfig(speculative=SpeculativeConfig(method="ngram"))
+
+
+def test_processed_logprobs_with_speculation_need_exact_speculative_sampling():
+    import dataclasses
+
+    from rollout.capabilities import Capabilities
+    from rollout.server.app import check_speculation
+
+    caps = Capabilities("cpu", "_C_AVX2", None, ("w8a8", "none"), -128, "toward_zero")
+    spec = ServeConfig(speculative=SpeculativeConfig(method="ngram"))  # processed logprobs: the default
+    check_speculation(spec, caps)
+    check_speculation(ServeConfig(), dataclasses.replace(caps, spec_exact=False))
+    with pytest.raises(ValueError, match="serve.logprobs_mode: processed_logprobs .* plugin off"):
+        check_speculation(spec, dataclasses.replace(caps, spec_exact=False))
 
 
 def test_loop_config_builds_serve_from_yaml():

