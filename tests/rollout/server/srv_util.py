@@ -145,8 +145,8 @@ class StreamingLoad:
 
 def sampled_row(server, tokenizer, temperature: float, top_p: float, max_tokens: int = 24, seed: int = 3) -> dict:
     """The trace row of one sampled /v1/completions request on the chat prompt (token ids in)."""
-    prompt = tokenizer.apply_chat_template(chat_messages(), add_generation_prompt=True, tokenize=True)
-    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+    prompt = list(tokenizer.apply_chat_template(chat_messages(), add_generation_prompt=True, tokenize=True,
+                                                return_dict=False))  # (a BatchEncoding is not a dict)
     r = httpx.post(server.url + "/v1/completions", timeout=60, json={
         "model": "flywheel", "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
         "seed": seed})
