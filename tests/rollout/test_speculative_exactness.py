@@ -36,7 +36,9 @@ def _engine(path: str, dtype: str, draft: str | None = None, env: dict | None = 
     from rollout.engine import make_llm
 
     cfg = dataclasses.replace(load_config(REPO / "conf" / "tiny.yaml", []).engine, dtype=dtype, max_num_seqs=128)
-    kw = {"speculative_config": {"model": draft, "num_speculative_tokens": 3}, "disable_log_stats": False} if draft else {}
+    kw = {}
+    if draft:
+        kw = {"speculative_config": {"model": draft, "num_speculative_tokens": 3}, "disable_log_stats": False}
     saved = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})
     try:
