@@ -207,14 +207,20 @@ def cpu_spec_exact() -> bool:
     plugin in its processes (entry point `flywheel`, unless VLLM_PLUGINS leaves it out) and the
     plugin's fix holds here (rollout/vllm_cpu_spec.py; idempotent, what the plugin does anyway)."""
     from vllm.plugins import load_plugins_by_group
-    from vllm.utils import cpu_triton_utils
 
     from rollout.vllm_cpu_spec import fix_cpu_expand, loses_writes
 
     if "flywheel" not in load_plugins_by_group("vllm.general_plugins"):
         return False
-    state = fix_cpu_expand()
-    return state == "unused" or (state != "off" and not loses_writes(cpu_triton_utils._expand_kernel_impl))
+    try:
+        state = fix_cpu_expand()
+        if state in ("unused", "off"):
+            return state == "unused"
+        from vllm.utils import cpu_triton_utils
+
+        return not loses_writes(cpu_triton_utils._expand_kernel_impl)
+    except (ImportError, AttributeError):  # a vLLM whose layout the fix does not know (the plugin warns)
+        return False
 
 
 def _probe_int8() -> tuple[int, str]:

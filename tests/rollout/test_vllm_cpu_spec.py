@@ -73,3 +73,19 @@ def test_the_fix_can_be_turned_off_and_then_the_bug_shows(cpu_wrapper):
         pytest.skip("this vLLM's CPU expand wrapper writes its output")
     # the reproduction: `loses_writes` fills the float32 output with -7 first, and it stays -7
     assert out["temperature"] != pytest.approx([0.7, 0.7, 1, 1, 1, 1]) or out["top_k"] != [5, 5, 0, 0, 0, 7]
+
+
+def test_capabilities_say_exact_only_with_the_plugin_and_its_fix(cpu_wrapper):
+    """`Capabilities.speculates_exactly(T>0)` on the CPU: False when VLLM_PLUGINS leaves the plugin
+    out or the fix is off, True with both (what `loop run` asks before it serves a draft)."""
+    code = (
+        "import os\n"
+        "from rollout.capabilities import cpu_spec_exact\n"
+        "from rollout.vllm_cpu_spec import OFF_ENV\n"
+        "os.environ['VLLM_PLUGINS'] = 'someone_else'; without_plugin = cpu_spec_exact()\n"
+        "del os.environ['VLLM_PLUGINS']; os.environ[OFF_ENV] = '0'; fix_off = cpu_spec_exact()\n"
+        "del os.environ[OFF_ENV]; print('RESULT', without_plugin, fix_off, cpu_spec_exact())\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert next(x for x in r.stdout.splitlines() if x.startswith("RESULT")).split()[1:] == ["False", "False", "True"]
