@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from loop.serving import engine_for, resolve
         from rollout.server import serve
-        from rollout.server.app import check_servable
+        from rollout.capabilities import detect
+        from rollout.server.app import check_servable, check_speculation
 
         model = cfg.serve.model
         if model is None:
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             served = resolve(cfg, model)
             check_servable(served.path, engine_for(cfg, served))
+            check_speculation(cfg.serve, detect())
             cfg.serve.resolved_api_key()
         except (ConfigError, ValueError) as e:
             print(f"config error: {args.config}: {e}", file=sys.stderr)

