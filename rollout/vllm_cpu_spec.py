@@ -25,7 +25,7 @@ Reproduction (one process, no engine):
 
 Fix: expand in any dtype and write into `output` itself (below: a few torch ops, no C++ change);
 upstream, `_expand_kernel_impl` could do the same, or copy the int64 result back and pass floats
-by value. What it changes, measured on the engine (tests/rollout/server/test_speculative_exactness.py):
+by value. What it changes, measured on the engine (tests/rollout/test_speculative_exactness.py):
 with any draft, the sampled tokens' distribution is plain sampling's by a χ² test at T=1 and T=0.7,
 and speculated tokens' processed logprobs are finite and equal a float32 forward's.
 

