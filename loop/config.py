@@ -11,6 +11,7 @@ from pathlib import Path
 from loop.bootstrap import BootstrapConfig, TaskConfig
 from loop.collect import CollectConfig, DatasetPhaseConfig
 from loop.configs import load
+from loop.learner import TRAIN_FROM
 from pipelines.promote import PromoteConfig
 from pipelines.requantize import RequantizeConfig
 from pipelines.speculator import SpeculatorConfig
@@ -39,10 +40,15 @@ class MlflowConfig:
 class CycleConfig:
     cycles: int = 3  # cycles per `loop run`
     problem_seed_stride: int = 1  # cycle k collects collect.problem_seed + (k-1)*stride: fresh problems
+    # what a cycle trains: "serving" (the weights serving now), or "learner" (a candidate the gate
+    # rejected only for want of proof keeps training; loop/learner.py)
+    train_from: str = "serving"
 
     def __post_init__(self):
         if isinstance(self.cycles, bool) or not isinstance(self.cycles, int) or self.cycles < 1:
             raise ValueError(f"cycles must be an int >= 1, got {self.cycles!r}")
+        if self.train_from not in TRAIN_FROM:
+            raise ValueError(f"train_from must be one of {TRAIN_FROM}, got {self.train_from!r}")
 
 
 @dataclass

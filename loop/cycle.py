@@ -86,6 +86,7 @@ def cycle(lp: Loop, k: int) -> CycleState:
     """One cycle, each phase once (a rerun after a kill starts at the phase it was in)."""
     from loop.collect import NoTraffic, agent_collect_phase, collect_phase, dataset_phase, log_collect, traffic_phase
     from loop.gate import requantize_phase, validate_phase
+    from loop.learner import next_learner, train_parent
     from loop.promotion import promote_phase, promotion_intent
     from loop.speculator import SpeculatorStep, speculator_step
     from loop.train import train_phase
@@ -97,7 +98,7 @@ def cycle(lp: Loop, k: int) -> CycleState:
 
     cfg, c, run_dir = lp.cfg, lp.state.cycle(k), lp.run_dir
     serving = AdminClient(lp.ep.url, lp.ep.admin_token).status()
-    parent = serving_parent(lp, serving)  # the full-precision weights of what serves now
+    served_fp = serving_parent(lp, serving)  # the full-precision weights of what serves now
     seed = cfg.collect.problem_seed + (k - 1) * cfg.loop.problem_seed_stride
 
     def collect() -> CollectManifest:
@@ -138,8 +139,8 @@ def cycle(lp: Loop, k: int) -> CycleState:
                       f"({serving['checkpoint_sha256'][:12]}, {serving['path']}): not trained on")
     try:
         plan = layer_plan(serving["path"]) or ()  # what the server keeps in full precision, QAT too
-        ckpt = _phase(lp, c, "train", lambda: train_phase(cfg, parent, dataset, run_dir, plan),
-                      PolicyCheckpoint.from_dict)
+        ckpt = _phase(lp, c, "train", lambda: train_phase(cfg, train_parent(cfg, lp.state, served_fp), dataset,
+                                                          run_dir, plan), PolicyCheckpoint.from_dict)
     except NoSignal as e:
         return finish(lp, c, "no_signal", f"nothing to train on: {e}")
     cand = _phase(lp, c, "requantize", lambda: requantize_phase(
@@ -168,6 +169,11 @@ def cycle(lp: Loop, k: int) -> CycleState:
             lp.state.serving = {"path": cand.path, "fp": cand.fp or cand.path, "version": str(out.version)}
             if draft:  # the next draft warm-starts from it
                 lp.state.serving |= {"draft": draft.draft, "draft_offline": draft.offline["rate"]}
+        lp.state.learner = next_learner(cfg, k, verdict.summary, verdict.passed, verdict.reasons, ckpt.path,
+                                        served_fp, out.status)
+        if lp.state.learner:
+            print(f"[loop] the candidate stays the learner: rejected for want of proof at paired delta "
+                  f"{lp.state.learner['delta']:+.3f} (loop.train_from: learner)", flush=True)
         return out
 
     outcome = _phase(lp, c, "promote", promote, lambda d: Outcome(**d))

