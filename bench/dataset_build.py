@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipelines.traces_to_dataset import DatasetConfig, build_dataset
-from rollout.episode import prompt_ids, tool_result_ids
+from rollout.episode import after_turn, prompt_ids
 from rollout.task import calculator, demonstration, make_problems
 from rollout.traces.schema import FEEDBACK_SCHEMA, SAMPLING_TYPE, STACK_TYPE, TRACE_SCHEMA
 
@@ -43,7 +43,7 @@ def _episode_tokens(tok, n_problems: int):
         call = demo[2]["tool_calls"][0]["function"]
         c0 = tok.encode(f'<tool_call>\n{{"name": "calculator", "arguments": {call["arguments"]}}}\n</tool_call>'
                         "<|im_end|>", add_special_tokens=False)
-        p1 = p0 + c0 + tool_result_ids(tok, calculator(p.expression))
+        p1 = p0 + c0 + after_turn(tok, demo[:3], calculator(p.expression))[1]
         c1 = tok.encode(f"Answer: {p.answer}<|im_end|>", add_special_tokens=False)
         out.append((p0, c0, p1, c1))
     return out

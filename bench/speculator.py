@@ -95,6 +95,7 @@ def build_target(base: str, steps: int, seed: int) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from rollout.chat import encode_demo
     from rollout.task import TOOLS, demonstration, make_problems
     from trainers.bootstrap.sft import SFTConfig, sft
 
@@ -111,7 +112,7 @@ def build_target(base: str, steps: int, seed: int) -> Path:
         demos = [demonstration(p) for p in make_problems("train", 2000, seed)]
         cfg = SFTConfig(lr=2e-4, warmup_steps=5, batch_size=16, max_steps=steps, min_steps=steps, eval_every=steps + 1,
                         seed=seed)  # no evaluation: a fixed number of steps
-        sft(model, tok, cfg, demos, TOOLS, evaluate=lambda _: 0.0)
+        sft(model, tok, cfg, [encode_demo(tok, d, TOOLS) for d in demos], evaluate=lambda _: 0.0)
         model.save_pretrained(str(tmp), safe_serialization=True)
     tmp.rename(folder)
     return folder

@@ -83,7 +83,10 @@ class BaseModelManifest:
 
 
 def cache_key(cfg: BootstrapConfig, task: TaskConfig) -> str:
-    blob = json.dumps({"model": asdict(cfg.model), "sft": asdict(cfg.sft), "task_seed": task.seed,
+    model = asdict(cfg.model)
+    if model["family"] == "qwen2":  # the bases built before families existed keep their keys
+        del model["family"]
+    blob = json.dumps({"model": model, "sft": asdict(cfg.sft), "task_seed": task.seed,
                        "corpus": cfg.tokenizer_corpus_problems, "format": 1}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -110,6 +113,7 @@ def bootstrap(cfg: BootstrapConfig, task: TaskConfig, log=lambda step, metrics: 
 
     import torch
 
+    from rollout.chat import encode_demo
     from rollout.episode import hf_generate, run_episodes, success_rate
     from rollout.task import TOOLS, demonstration, make_problems
     from trainers.bootstrap.model import build_model
@@ -122,9 +126,10 @@ def bootstrap(cfg: BootstrapConfig, task: TaskConfig, log=lambda step, metrics: 
     tmp = folder.with_name(folder.name + f".tmp-{time.time_ns()}")
     tmp.mkdir(parents=True)
     try:
-        texts = render_texts([demonstration(p) for p in train[: cfg.tokenizer_corpus_problems]], TOOLS)
-        tok = train_tokenizer(texts, cfg.model.vocab_size)
-        tokenizer = save_hf_tokenizer(tok, tmp, cfg.model.max_position_embeddings)
+        family = cfg.model.family
+        texts = render_texts([demonstration(p) for p in train[: cfg.tokenizer_corpus_problems]], TOOLS, family)
+        tok = train_tokenizer(texts, cfg.model.vocab_size, family)
+        tokenizer = save_hf_tokenizer(tok, tmp, cfg.model.max_position_embeddings, family)
         model = build_model(cfg.model, tokenizer, seed=cfg.sft.seed)
 
         def evaluate(m) -> float:  # the task's sampled success: what SFT stops on
@@ -132,7 +137,8 @@ def bootstrap(cfg: BootstrapConfig, task: TaskConfig, log=lambda step, metrics: 
                                              temperature=cfg.sft.eval_temperature))
 
         demos = [demonstration(p) for p in train[: cfg.sft.num_train_problems]]
-        result = sft(model, tokenizer, cfg.sft, demos, TOOLS, evaluate, log=log)
+        encoded = [encode_demo(tokenizer, d, TOOLS) for d in demos]  # in the model's own chat format
+        result = sft(model, tokenizer, cfg.sft, encoded, evaluate, log=log)
         model.save_pretrained(str(tmp), safe_serialization=True)
         manifest = BaseModelManifest(
             kind="base_model", path=str(folder), key=key,

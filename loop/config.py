@@ -37,6 +37,22 @@ class MlflowConfig:
 
 
 @dataclass
+class BaseConfig:
+    # A local Hugging Face causal-LM folder (an architecture vLLM serves, a chat template with tool
+    # calls) trained and served instead of the model the bootstrap builds; null: the bootstrap's
+    model: str | None = None
+
+    def __post_init__(self):
+        if self.model is not None:
+            from rollout.engine import check_servable
+
+            try:
+                check_servable(self.model)
+            except ValueError as e:
+                raise ValueError(f"model: {e}") from None
+
+
+@dataclass
 class CycleConfig:
     cycles: int = 3  # cycles per `loop run`
     problem_seed_stride: int = 1  # cycle k collects collect.problem_seed + (k-1)*stride: fresh problems
@@ -54,6 +70,7 @@ class CycleConfig:
 @dataclass
 class LoopConfig:
     run_dir: str = "runs/agent_rl"
+    base: BaseConfig = field(default_factory=BaseConfig)
     loop: CycleConfig = field(default_factory=CycleConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
@@ -72,12 +89,28 @@ class LoopConfig:
     def __post_init__(self):
         if not self.run_dir:
             raise ValueError("run_dir must not be empty")
+        if self.base.model is not None:
+            self.use_base_model()
         if self.serve.trace_root == ServeConfig.trace_root:  # not set: the run's own, beside its datasets
             self.serve.trace_root = str(Path(self.run_dir) / "data")
         if self.serve.weights_roots is None:  # what the loop writes and serves: its own folders, the base
             run = Path(self.run_dir).resolve()
             self.serve.weights_roots = [str(run / d) for d in ("served", "checkpoints", "drafts")] + [
                 str(Path(self.bootstrap.cache_dir).resolve())]
+
+    def use_base_model(self) -> None:
+        """base.model stands in for the bootstrap; its template must name a tool parser the
+        calculator's tool calls can be read with (serve.tool_call_parser)."""
+        from rollout.server.config import resolve_tool_parser
+
+        if self.bootstrap.model.path not in (None, self.base.model):
+            raise ValueError(f"base.model {self.base.model} and bootstrap.model.path {self.bootstrap.model.path} "
+                             "differ: set base.model only")
+        parser = resolve_tool_parser(self.serve, self.base.model)
+        if parser is None and self.task.agent is None:
+            raise ValueError("serve.tool_call_parser none: the calculator task calls a tool, so the model must "
+                             "serve tool calls")
+        self.bootstrap.model.path = self.base.model
 
     @property
     def tracking_uri(self) -> str:

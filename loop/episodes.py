@@ -11,13 +11,11 @@ Traces view shows what the agent did with each checkpoint, next to the cycle's r
 from __future__ import annotations
 
 import json
-import re
 from collections import defaultdict
 from pathlib import Path
 
-TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
-TOOL_RESPONSE = re.compile(r"<tool_response>\s*(.*?)\s*</tool_response>", re.S)
-USER = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.S)  # the chat template's user turn
+from rollout.chat import ChatFormat
+
 
 
 def pick(dataset: str, scored: set[str], max_groups: int = 8) -> list[dict]:
@@ -59,7 +57,11 @@ def log_episodes(trace_root: str, tokenizer: str, dataset: str, episode_kl: dict
     episodes = pick(dataset, set(episode_kl))
     if not episodes:
         return []
-    decode = AutoTokenizer.from_pretrained(tokenizer).decode
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    chat = ChatFormat.of(tok)  # the model's own chat format reads the turns back
+
+    def decode(ids):
+        return tok.decode(ids, skip_special_tokens=False)
     wanted = [t for e in episodes for t in e["trace_ids"]]
     table = read_traces(trace_root, columns=["trace_id", "turn", "prompt_token_ids", "completion_token_ids", "output",
                                              "created_at", "e2e_ms", "weight_version"])
@@ -73,7 +75,7 @@ def log_episodes(trace_root: str, tokenizer: str, dataset: str, episode_kl: dict
         kl = episode_kl.get(e["episode_id"], {})
         root = mlflow.start_span_no_context(
             f"episode {e['episode_id']}", span_type=SpanType.AGENT, experiment_id=experiment_id,
-            inputs={"problem": _user_text(decode(rows[0]["prompt_token_ids"]))}, start_time_ns=_ns(rows[0]["created_at"]),
+            inputs={"problem": _user_text(chat, decode(rows[0]["prompt_token_ids"]))}, start_time_ns=_ns(rows[0]["created_at"]),
             attributes={"weight_version": rows[0]["weight_version"], "reward": e["reward"], "rank": e["rank"]},
             metadata={"mlflow.trace.session": e["group_id"], "mlflow.sourceRun": run_id},
             tags={"flywheel.cycle": str(cycle), "flywheel.rank": e["rank"], "flywheel.episode_id": e["episode_id"]})
@@ -88,14 +90,15 @@ def log_episodes(trace_root: str, tokenizer: str, dataset: str, episode_kl: dict
                                                 attributes={"weight_version": r["weight_version"]})
             text = decode(r["completion_token_ids"])
             span.end(outputs={"completion": text}, end_time_ns=end)
-            call = TOOL_CALL.search(text)
-            if call and i + 1 < len(rows):
+            calls = chat.parse(text.removesuffix(chat.eot))["tool_calls"]
+            if calls and i + 1 < len(rows):
                 nxt = rows[i + 1]
-                tool = mlflow.start_span_no_context("calculator", span_type=SpanType.TOOL, parent_span=root,
-                                                    inputs=_json(call.group(1)), start_time_ns=end)
+                fn = calls[0]["function"]
+                tool = mlflow.start_span_no_context(fn["name"] or "tool", span_type=SpanType.TOOL, parent_span=root,
+                                                    inputs=_json(fn["arguments"]), start_time_ns=end)
                 inserted = decode(nxt["prompt_token_ids"][seen:])
-                result = TOOL_RESPONSE.search(inserted)
-                tool.end(outputs={"result": result.group(1) if result else inserted}, end_time_ns=_ns(nxt["created_at"]))
+                result = next((m["content"] for m in chat.messages(inserted) if m["role"] == "tool"), inserted)
+                tool.end(outputs={"result": result}, end_time_ns=_ns(nxt["created_at"]))
         root.end(outputs={"answer": decode(rows[-1]["completion_token_ids"]), "reward": e["reward"]},
                  end_time_ns=_ns(rows[-1]["created_at"]) + int((rows[-1]["e2e_ms"] or 0) * 1e6))
         ids.append((root.trace_id, e, kl))
@@ -113,9 +116,9 @@ def log_episodes(trace_root: str, tokenizer: str, dataset: str, episode_kl: dict
     return [t for t, _, _ in ids]
 
 
-def _user_text(prompt: str) -> str:
-    """The last user message of a decoded prompt (the whole prompt when the template differs)."""
-    found = USER.findall(prompt)
+def _user_text(chat, prompt: str) -> str:
+    """The last user message of a decoded prompt (the whole prompt when none reads back)."""
+    found = [m["content"] for m in chat.messages(prompt) if m["role"] == "user"]
     return found[-1].strip() if found else prompt
 
 

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Literal
 
-from rollout.episode import chatml_to_messages
 from rollout.task import Problem, parse_calculator_call, problem_from_question, reward as task_exact_reward
 from rollout.traces import Feedback
 
@@ -50,6 +49,7 @@ class EpisodeRecord:
     decode: Callable[[list[int]], str] = field(repr=False)
     feedback: tuple[Feedback, ...] = ()  # oldest first
     rating_range: tuple[int, int] = (-1, 1)  # a rating's (lo, hi): it counts as (rating - lo) / (hi - lo)
+    chat: object = field(default=None, repr=False)  # rollout.chat.ChatFormat: reads `text` back into messages
 
     @cached_property
     def text(self) -> str:
@@ -57,8 +57,11 @@ class EpisodeRecord:
 
     @cached_property
     def messages(self) -> list[dict]:
-        """OpenAI messages parsed from `text` (system, user, assistant, tool, ...)."""
-        return chatml_to_messages(self.text)
+        """OpenAI messages parsed from `text` (system, user, assistant, tool, ...) by the
+        tokenizer's chat format."""
+        if self.chat is None:
+            raise ValueError("EpisodeRecord.messages needs its chat format (rollout.chat.ChatFormat)")
+        return self.chat.messages(self.text)
 
     @property
     def feedback_reward(self) -> float | None:

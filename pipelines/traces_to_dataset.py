@@ -38,6 +38,7 @@ from pipelines.dataset.manifest import (DATASET_SCHEMA, DatasetConfig, RLDataset
                                         load_manifest, save_manifest)
 from rollout.artifacts import file_sha256
 from pipelines.rewards import EpisodeRecord, load_fn, score
+from rollout.chat import ChatFormat
 from rollout.traces import Feedback, read_feedback, read_traces
 from rollout.traces.feedback import ABANDONED
 
@@ -53,7 +54,9 @@ def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
     from transformers import AutoTokenizer
 
     # the Rust tokenizer's decode: transformers' wrapper type-checks every id (~3x the cost)
-    decode = partial(AutoTokenizer.from_pretrained(cfg.tokenizer).backend_tokenizer.decode, skip_special_tokens=False)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
+    decode = partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=False)
+    chat = ChatFormat.of(tokenizer)
     reward_fn = load_fn(cfg.reward_fn)
 
     table = window_traces(cfg, READ_COLUMNS)
@@ -90,7 +93,7 @@ def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
                 continue
             record = EpisodeRecord(key, tuple(ids[starts[e]:starts[e + 1]]),
                                    tokens.input_ids[tokens.offsets[k]:tokens.offsets[k + 1]].tolist(), decode,
-                                   tuple(fbs), cfg.rating_range)
+                                   tuple(fbs), cfg.rating_range, chat)
             r = score(record, reward_fn, cfg.feedback_mode)
             if r is None:
                 bad[e] = "missing_reward"

@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 from pipelines.dataset.manifest import RLDatasetManifest
 from pipelines.rewards import EpisodeRecord, load_fn
 from rollout.artifacts import MANIFEST, file_sha256
+from rollout.chat import ChatFormat
 
 VERL_SCHEMA_VERSION = 1
 
@@ -93,14 +94,16 @@ def export_verl(dataset: RLDatasetManifest, cfg: VerlExportConfig) -> VerlExport
         raise FileExistsError(f"out_dir {cfg.out_dir} exists")
     from transformers import AutoTokenizer
 
-    decode = partial(AutoTokenizer.from_pretrained(cfg.tokenizer).backend_tokenizer.decode, skip_special_tokens=False)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
+    decode = partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=False)
+    chat = ChatFormat.of(tokenizer)
     truth_fn = load_fn(cfg.ground_truth_fn)
     tmp = cfg.out_dir.with_name(f".{cfg.out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     rows, files = {}, {}
     for split, name in SPLIT_FILES.items():
-        table = _split_rows(dataset, split, cfg, decode, truth_fn)
+        table = _split_rows(dataset, split, cfg, decode, chat, truth_fn)
         pq.write_table(table, tmp / name)
         rows[name], files[name] = table.num_rows, file_sha256(tmp / name)
     m = VerlExportManifest(path=str(cfg.out_dir), parent=dataset.path, rows=rows, files=files,
@@ -110,7 +113,7 @@ def export_verl(dataset: RLDatasetManifest, cfg: VerlExportConfig) -> VerlExport
     return m
 
 
-def _split_rows(dataset: RLDatasetManifest, split: str, cfg: VerlExportConfig, decode, truth_fn) -> pa.Table:
+def _split_rows(dataset: RLDatasetManifest, split: str, cfg: VerlExportConfig, decode, chat, truth_fn) -> pa.Table:
     """One verl row per group of the split, in order of the group's first episode."""
     paths = dataset.files_of(split)
     cols = ["episode_id", "group_id", "trace_ids", "prompt_len", "input_ids", "reward"]
@@ -122,8 +125,8 @@ def _split_rows(dataset: RLDatasetManifest, split: str, cfg: VerlExportConfig, d
     for index, (gid, members) in enumerate(groups.items()):
         first = members[0]
         prompt_ids = first["input_ids"][:first["prompt_len"]]
-        record = EpisodeRecord(first["episode_id"], tuple(first["trace_ids"]), first["input_ids"], decode)
-        messages = EpisodeRecord(first["episode_id"], (), prompt_ids, decode).messages
+        record = EpisodeRecord(first["episode_id"], tuple(first["trace_ids"]), first["input_ids"], decode, chat=chat)
+        messages = EpisodeRecord(first["episode_id"], (), prompt_ids, decode, chat=chat).messages
         n = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
         prompt = [{"role": m["role"], "content": m["content"]} for m in messages[:n]]  # not the open header
         truth = truth_fn(record)

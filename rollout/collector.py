@@ -36,7 +36,7 @@ from typing import Literal
 
 import aiohttp
 
-from rollout.episode import agent_step, prompt_ids, tool_result_ids
+from rollout.episode import after_turn, agent_step, prompt_ids
 from rollout.task import Problem, reward
 from rollout.traces.feedback import ABANDONED
 
@@ -85,7 +85,7 @@ class TurnResult:
     """One served request as the client received it."""
 
     prompt_ids: list[int]
-    token_ids: list[int]  # sampled, including the closing <|im_end|> when the turn stopped
+    token_ids: list[int]  # sampled, including the closing end-of-turn token when the turn stopped
     logprobs: list[float]  # behaviour logprob of each sampled token
     finish_reason: str
     trace_id: str | None  # x-flywheel-trace-id
@@ -202,8 +202,8 @@ async def _play(ep: EpisodeResult, client: aiohttp.ClientSession, tokenizer, cfg
         ep.messages.append(msg)
         if result is None:
             break
-        ep.messages.append({"role": "tool", "tool_call_id": "call_0", "content": result})
-        prompt = prompt + t.token_ids + tool_result_ids(tokenizer, result)
+        ep.messages, more = after_turn(tokenizer, ep.messages, result)
+        prompt = prompt + t.token_ids + more
     ep.reward = reward(ep.problem, ep.messages)
 
 

@@ -16,6 +16,26 @@ from rollout.episode import Completion
 ENGINE_CORE_SPIN_S = 0.001  # with cpu_front_end="reserved"; vLLM's default is 1 s
 
 
+def check_servable(folder: str) -> str:
+    """The architecture of a Hugging Face folder if vLLM serves it, else a ValueError saying why."""
+    import json
+    from pathlib import Path
+
+    try:
+        archs = json.loads((Path(folder) / "config.json").read_text()).get("architectures") or []
+    except OSError:
+        raise ValueError(f"{folder} is not a Hugging Face model folder (no config.json)") from None
+    except ValueError as e:
+        raise ValueError(f"{folder}/config.json is not JSON: {e}") from None
+    from vllm.model_executor.models import ModelRegistry
+
+    known = set(ModelRegistry.get_supported_archs())
+    served = [a for a in archs if a in known]
+    if not served:
+        raise ValueError(f"{folder}: vLLM serves none of its architectures {archs or '(none listed)'}")
+    return served[0]
+
+
 @dataclass
 class EngineConfig:
     dtype: str = "float32"  # tiny models: fp32 keeps vLLM token-identical to transformers

@@ -1,8 +1,9 @@
 """Agent episodes, token-in/token-out, over any generation backend.
 
 An episode is played turn by turn on token ids: turn k+1's prompt is exactly turn k's prompt,
-plus the tokens the policy sampled (ending in `<|im_end|>`), plus the rendered tool result and the
-next assistant header. Nothing is re-tokenized, so the token ids and behaviour logprobs that an
+plus the tokens the policy sampled (ending in its end-of-turn token), plus the tool result and the
+next generation prompt as the model's chat template renders them (`rollout.chat`, any template;
+tool calls read by vLLM's parser for it). Nothing is re-tokenized, so the token ids and behaviour logprobs that an
 episode records are exactly what the engine saw and produced.
 
 A backend is a `Generate` callable: prompts (lists of token ids) -> one `Completion` each. The
@@ -12,14 +13,11 @@ offline vLLM engine, a transformers model and the HTTP endpoint all fit behind i
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from rollout.task import TOOLS, Problem, calculator, reward
-
-TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
+from rollout.chat import ChatFormat
+from rollout.task import Problem, calculator, reward
 
 @dataclass
 class Completion:
@@ -47,50 +45,8 @@ class Episode:
     done: bool = False
 
 
-def parse_assistant(text: str) -> dict:
-    """Hermes-style parse of an assistant completion into an OpenAI message (what vLLM's
-    `hermes` tool parser returns): content outside `<tool_call>` blocks, and the calls."""
-    calls = []
-    for i, body in enumerate(TOOL_CALL_RE.findall(text)):
-        try:
-            obj = json.loads(body)
-            fn = {"name": obj["name"], "arguments": json.dumps(obj["arguments"])}
-        except (json.JSONDecodeError, KeyError, TypeError):
-            fn = {"name": "", "arguments": body}  # malformed: kept, scored 0 by the reward
-        calls.append({"id": f"call_{i}", "type": "function", "function": fn})
-    content = TOOL_CALL_RE.sub("", text).strip() if calls else text.strip()
-    return {"role": "assistant", "content": content, "tool_calls": calls or None}
-
-
-CHATML_RE = re.compile(r"<\|im_start\|>(system|user|assistant)\n(.*?)(?:<\|im_end\|>|$)", re.DOTALL)
-TOOL_RESPONSE_RE = re.compile(r"^<tool_response>\n(.*)\n</tool_response>$", re.DOTALL)
-
-
-def chatml_to_messages(text: str) -> list[dict]:
-    """Parse a rendered conversation (as the model saw it) back into OpenAI messages; the inverse
-    of the chat template for what the task uses. The system prompt's tool list is dropped."""
-    out = []
-    for role, body in CHATML_RE.findall(text):
-        if role == "system":
-            out.append({"role": "system", "content": body.split("<tools>")[0].rstrip()})
-        elif role == "assistant":
-            out.append(parse_assistant(body))
-        elif (m := TOOL_RESPONSE_RE.match(body)):
-            out.append({"role": "tool", "content": m.group(1)})
-        else:
-            out.append({"role": "user", "content": body})
-    return out
-
-
-def tool_result_ids(tokenizer, result: str) -> list[int]:
-    """Tokens that follow an assistant turn's `<|im_end|>`: the tool result and the next header."""
-    text = f"\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
+    return ChatFormat.of(tokenizer).prompt(messages)
 
 
 def agent_step(tokenizer, token_ids: list[int], finish_reason: str) -> tuple[dict, str | None]:
@@ -98,13 +54,21 @@ def agent_step(tokenizer, token_ids: list[int], finish_reason: str) -> tuple[dic
     result when the turn is a finished tool call (None: the episode ends here)."""
     eos = tokenizer.eos_token_id
     ids = token_ids[:-1] if token_ids and token_ids[-1] == eos else token_ids
-    msg = parse_assistant(tokenizer.decode(ids, skip_special_tokens=False))
+    msg = ChatFormat.of(tokenizer).parse(tokenizer.decode(ids, skip_special_tokens=False))
     if finish_reason != "stop" or not msg["tool_calls"]:
         return msg, None
     try:
         return msg, calculator(json.loads(msg["tool_calls"][0]["function"]["arguments"])["expression"])
     except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
         return msg, f"error: {e}"
+
+
+def after_turn(tokenizer, messages: list[dict], result: str) -> tuple[list[dict], list[int]]:
+    """The tool message answering the last assistant turn's call, appended to `messages`, and the
+    ids that follow the turn's end-of-turn token: the result as the template renders it, and the
+    next generation prompt."""
+    messages = messages + [{"role": "tool", "tool_call_id": "call_0", "content": result}]
+    return messages, ChatFormat.of(tokenizer).after_turn(messages)
 
 
 def run_episodes(
@@ -132,8 +96,8 @@ def run_episodes(
             if result is None:
                 ep.done = True
                 continue
-            ep.messages.append({"role": "tool", "tool_call_id": "call_0", "content": result})
-            prompts[i] = prompts[i] + list(out.token_ids) + tool_result_ids(tokenizer, result)
+            ep.messages, more = after_turn(tokenizer, ep.messages, result)
+            prompts[i] = prompts[i] + list(out.token_ids) + more
     for ep in episodes:
         ep.done = True
         ep.reward = reward(ep.problem, ep.messages)

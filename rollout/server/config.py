@@ -89,6 +89,10 @@ class ServeConfig:
     # from (after temperature, top-k/top-p, penalties), whatever the request's sampling parameters;
     # "raw_logprobs" is the model's distribution before them (right only at T=1, top-p 1, no top-k)
     logprobs_mode: str = "processed_logprobs"
+    # vLLM's parser for the model's tool calls (--tool-call-parser): "auto" reads the chat template's
+    # markup (hermes for ChatML/Qwen, llama3_json for Llama 3, mistral; rollout/chat.py), "none"
+    # serves without tool calls, else any parser name vLLM knows
+    tool_call_parser: str = "auto"
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # The weight version the server starts at (each hot-swap adds one). A server restarted on a
     # later checkpoint starts past the versions its trace root already holds (the loop's resume),
@@ -163,6 +167,31 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def resolve_tool_parser(cfg: ServeConfig, model: str) -> str | None:
+    """The tool parser the server runs for `model` (None: no tool calls), or a ValueError naming
+    serve.tool_call_parser when "auto" cannot tell from the chat template."""
+    from rollout.chat import read_chat_template, tool_parser_for
+
+    if cfg.tool_call_parser == "none":
+        return None
+    if cfg.tool_call_parser != "auto":
+        return cfg.tool_call_parser
+    template = read_chat_template(model)
+    name = tool_parser_for(template)
+    if name is None:
+        why = "has no chat template" if not template else (
+            "renders no tool calls" if "tool" not in template else "renders tool calls in a markup Flywheel does not "
+                                                                    "recognise")
+        raise ValueError(f"serve.tool_call_parser: auto cannot pick vLLM's tool parser: {model} {why}; name the "
+                         "parser (hermes, llama3_json, mistral, ...) or none to serve without tool calls")
+    return name
+
+
+def tool_args(cfg: ServeConfig, model: str) -> list[str]:
+    name = resolve_tool_parser(cfg, model)
+    return [] if name is None else ["--enable-auto-tool-choice", "--tool-call-parser", name]
+
+
 def vllm_cli_args(cfg: ServeConfig, engine: EngineConfig, model: str, port: int | None = None) -> list[str]:
     """vLLM OpenAI-server arguments for these settings (ours and the bare baseline's)."""
     args = [
@@ -170,7 +199,7 @@ def vllm_cli_args(cfg: ServeConfig, engine: EngineConfig, model: str, port: int 
         "--host", cfg.host, "--port", str(cfg.port if port is None else port),
         "--dtype", engine.dtype, "--max-model-len", str(engine.max_model_len),
         "--max-num-seqs", str(engine.max_num_seqs), "--seed", str(engine.seed),
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        *tool_args(cfg, model),
         "--logprobs-mode", cfg.logprobs_mode, "--disable-uvicorn-access-log",
         "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching",
     ]

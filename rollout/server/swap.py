@@ -51,8 +51,8 @@ from rollout.server.reload import freeze, reference_logprobs, reload_in_place, r
 from rollout.server.tracing import quant_format, stack_fingerprint
 
 log = logging.getLogger("flywheel.server")
-CANARY_TEXT = ("<|im_start|>system\nUse the calculator tool, then give the answer.<|im_end|>\n<|im_start|>user\n"
-               "A box holds 12 pens. How many pens are in 7 boxes?<|im_end|>\n<|im_start|>assistant\n")
+CANARY_MESSAGES = [{"role": "system", "content": "Use the calculator tool, then give the answer."},
+                   {"role": "user", "content": "A box holds 12 pens. How many pens are in 7 boxes?"}]
 
 
 @dataclass
@@ -91,8 +91,10 @@ class HotSwapper:
         self._refs: dict[str, list[float]] = {}  # checkpoint sha -> reference canary logprobs
 
     def canary_ids(self) -> list[int]:
-        if self._canary_ids is None:
-            self._canary_ids = list(self.engine.inner.get_tokenizer().encode(CANARY_TEXT))
+        if self._canary_ids is None:  # a conversation in the model's own chat format
+            tok = self.engine.inner.get_tokenizer()
+            text = tok.apply_chat_template(CANARY_MESSAGES, add_generation_prompt=True, tokenize=False)
+            self._canary_ids = list(tok.encode(text, add_special_tokens=False))
         return self._canary_ids
 
     async def _reference(self, path: str, sha: str) -> list[float]:

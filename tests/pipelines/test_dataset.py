@@ -14,6 +14,7 @@ import pytest
 
 from pipelines.rewards import EpisodeRecord, task_reward
 from pipelines.traces_to_dataset import DatasetConfig, build_dataset, group_id, load_manifest
+from rollout.chat import ChatFormat
 from rollout.episode import prompt_ids
 from rollout.traces import Feedback, Trace
 
@@ -301,7 +302,8 @@ def test_task_reward_reads_the_decoded_episode(ds_episodes, tiny_tokenizer):
     for eid, ep in ds_episodes:
         last = ep.turns[-1]
         ids = last.prompt_ids + last.completion.token_ids
-        rec = EpisodeRecord(eid, (), ids, lambda x: tiny_tokenizer.decode(x, skip_special_tokens=False))
+        rec = EpisodeRecord(eid, (), ids, lambda x: tiny_tokenizer.decode(x, skip_special_tokens=False),
+                            chat=ChatFormat.of(tiny_tokenizer))
         assert task_reward(rec) == ep.reward
         assert [m["role"] for m in rec.messages][:2] == ["system", "user"]
         assert json.dumps(rec.messages)

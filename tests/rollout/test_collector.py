@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from rollout.collector import CollectorConfig, collect
-from rollout.episode import prompt_ids, tool_result_ids
+from rollout.episode import after_turn, prompt_ids
 from rollout.task import calculator, make_problems, problem_from_question
 
 
@@ -105,7 +105,8 @@ def test_episodes_are_token_in_token_out_and_rewarded_once(tiny_tokenizer):
         assert r.status == "ok" and r.reward == 1.0 and r.problem is problems[r.group]
         t0, t1 = r.turns
         assert t0.prompt_ids == prompt_ids(tiny_tokenizer, r.problem.messages())
-        assert t1.prompt_ids == t0.prompt_ids + t0.token_ids + tool_result_ids(tiny_tokenizer, calculator(r.problem.expression))
+        _, more = after_turn(tiny_tokenizer, r.messages[:3], calculator(r.problem.expression))
+        assert t1.prompt_ids == t0.prompt_ids + t0.token_ids + more
         for k, t in enumerate(r.turns):
             sent = fake.sent[(r.episode_id, k)]
             assert (t.token_ids, t.logprobs, t.trace_id, t.weight_version) == (sent["ids"], sent["lps"], sent["trace_id"], 3)

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from rollout.episode import parse_assistant
+from rollout.chat import ChatFormat
 from rollout.task import calculator, demonstration, make_problems, reward
 
 
@@ -46,12 +46,16 @@ def test_reward_is_exact():
     assert reward(p, wrong_tool) == 0.0
 
 
-def test_parse_assistant_hermes_format():
-    msg = parse_assistant('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+2"}}\n</tool_call>')
+def test_parse_assistant_hermes_format(tiny_tokenizer):
+    """The collector reads a sampled turn with vLLM's own parser for the template (hermes here),
+    as the endpoint does for an outside agent: malformed markup is content and no call."""
+    chat = ChatFormat.of(tiny_tokenizer)
+    assert chat.parser_name == "hermes"
+    msg = chat.parse('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+2"}}\n</tool_call>')
     assert msg["content"] == "" and json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"expression": "2+2"}
-    assert parse_assistant("Answer: 4") == {"role": "assistant", "content": "Answer: 4", "tool_calls": None}
-    bad = parse_assistant("<tool_call>{nope}</tool_call>")
-    assert bad["tool_calls"][0]["function"]["name"] == ""
+    assert chat.parse("Answer: 4") == {"role": "assistant", "content": "Answer: 4", "tool_calls": None}
+    bad = chat.parse("<tool_call>{nope}</tool_call>")
+    assert bad == {"role": "assistant", "content": "<tool_call>{nope}</tool_call>", "tool_calls": None}
 
 
 def test_problem_from_question_inverts_every_template():
@@ -64,12 +68,11 @@ def test_problem_from_question_inverts_every_template():
 
 
 def test_chatml_round_trip(tiny_tokenizer):
-    from rollout.episode import chatml_to_messages
     from rollout.task import TOOLS, problem_from_question
 
     p = make_problems("eval", 1, seed=9)[0]
     demo = demonstration(p)
-    msgs = chatml_to_messages(tiny_tokenizer.apply_chat_template(demo, tools=TOOLS, tokenize=False))
+    msgs = ChatFormat.of(tiny_tokenizer).messages(tiny_tokenizer.apply_chat_template(demo, tools=TOOLS, tokenize=False))
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant"]
     assert msgs[0]["content"] == demo[0]["content"] and msgs[3]["content"] == demo[3]["content"]
     assert reward(problem_from_question(msgs[1]["content"]), msgs) == 1.0

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from rollout.episode import Completion, hf_generate, prompt_ids, run_episodes, tool_result_ids
+from rollout.chat import encode_demo
+from rollout.episode import Completion, after_turn, hf_generate, prompt_ids, run_episodes
 from rollout.task import TOOLS, demonstration, make_problems
-from trainers.bootstrap.sft import encode_demo
 from trainers.bootstrap.tokenizer import TOOL_TOKENS
 
 
@@ -55,7 +55,7 @@ def test_sft_takes_its_demonstrations_and_evaluate_from_the_caller(tiny_cfg, tin
         return 0.5 * len(seen)
 
     cfg = SFTConfig(batch_size=2, warmup_steps=1, min_steps=2, eval_every=2, max_steps=20, target_success=1.0)
-    result = sft(model, tiny_tokenizer, cfg, demos, TOOLS, evaluate)
+    result = sft(model, tiny_tokenizer, cfg, [encode_demo(tiny_tokenizer, d, TOOLS) for d in demos], evaluate)
     assert (result.steps, result.eval_success, len(seen)) == (4, 1.0, 2) and all(m is model for m in seen)
     assert [h["step"] for h in result.history if "sft/eval_success" in h] == [2, 4]
 
@@ -68,7 +68,7 @@ def test_episode_tokens_extend_exactly(tiny_tokenizer):
     completion = tok(tok.apply_chat_template(demo[:3], tools=TOOLS, tokenize=False)[
         len(tok.apply_chat_template(demo[:2], tools=TOOLS, tokenize=False, add_generation_prompt=True)):
     ].split("<|im_end|>")[0] + "<|im_end|>", add_special_tokens=False)["input_ids"]
-    turn2 = turn1 + completion + tool_result_ids(tok, demo[3]["content"])
+    turn2 = turn1 + completion + after_turn(tok, demo[:3], demo[3]["content"])[1]
     assert turn2 == prompt_ids(tok, demo[:4])
 
 

@@ -35,11 +35,14 @@ def one_thread():
 def ray_runtime():
     import ray
 
-    from trainers.rl.launch import ensure_ray
+    from trainers.rl.launch import ensure_ray, shutdown_ray
 
     ensure_ray(RayConfig(num_cpus=2))
+    # Ray's own clients in this process find this runtime, not another `loop run`'s on the host
+    assert os.environ["RAY_ADDRESS"] == ray.get_runtime_context().gcs_address
     yield
-    ray.shutdown()
+    shutdown_ray()
+    assert "RAY_ADDRESS" not in os.environ  # a later local runtime is a new one
 
 
 def test_two_ray_workers_equal_one_process(ray_runtime, tiny_base, rl_dataset, tmp_path):

@@ -1,4 +1,5 @@
-"""The base model's shape: a small Qwen2 decoder that transformers and vLLM both load natively."""
+"""The base model's shape: a small decoder of a family transformers and vLLM both load natively
+(Qwen2, the default; Qwen3, with its q/k norms; Llama, with untied embeddings as the 8B has)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass
 
 # vLLM's CPU attention backend supports these head sizes only.
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+FAMILIES = ("qwen2", "qwen3", "llama")
 
 
 @dataclass
@@ -13,6 +15,7 @@ class ModelConfig:
     """Shape of the self-built base model (ignored when `path` points at an existing HF folder)."""
 
     path: str | None = None  # an existing Hugging Face folder to use instead of bootstrapping
+    family: str = "qwen2"  # qwen2 | qwen3 | llama: the architecture and its chat format (tokenizer.FORMATS)
     vocab_size: int = 1024
     hidden_size: int = 192
     num_layers: int = 4
@@ -23,6 +26,8 @@ class ModelConfig:
     init_std: float = 0.02
 
     def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                      "intermediate_size", "max_position_embeddings"):
             if getattr(self, name) <= 0:
@@ -42,26 +47,21 @@ class ModelConfig:
 
 def build_model(cfg: ModelConfig, tokenizer, seed: int = 0):
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=cfg.hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        intermediate_size=cfg.intermediate_size,
-        max_position_embeddings=cfg.max_position_embeddings,
-        initializer_range=cfg.init_std,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        dtype="float32",
-    )
-    model = Qwen2ForCausalLM(config)
+    shape = dict(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+                 num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                 intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
+                 initializer_range=cfg.init_std, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                 pad_token_id=tokenizer.pad_token_id, dtype="float32")
+    if cfg.family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True))
+    elif cfg.family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=cfg.head_dim, tie_word_embeddings=True))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**shape, head_dim=cfg.head_dim, tie_word_embeddings=False))
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.bos_token_id = None
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
     return model

@@ -1,6 +1,6 @@
 """Supervised fine-tuning of the base model on task demonstrations.
 
-The loss covers only the assistant's tokens (tool calls, answers and their `<|im_end|>`); system,
+The loss covers only the assistant's tokens (tool calls, answers and their end-of-turn token); system,
 user and tool-result tokens are context. SFT stops early once success on a slice of the eval split,
 sampled at `eval_temperature` (by default 1.0, the temperature RL samples at), reaches
 `target_success`: success climbs steeply (greedy success went 9% -> 52% -> 94% within 15 steps
@@ -56,37 +56,13 @@ class SFTResult:
     history: list[dict]
 
 
-def encode_demo(tokenizer, messages: list[dict], tools: list[dict]) -> tuple[list[int], list[int]]:
-    """Token ids of a rendered episode and a 0/1 mask of the assistant's tokens.
-
-    The template is prefix-consistent: rendering messages[:k] with a generation prompt is a token
-    prefix of rendering messages[:k+1], so each assistant turn is the difference of two renders.
-    """
-    def render(msgs, gen):
-        out = tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=gen, tokenize=True)
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
-
-    ids = render(messages, False)
-    mask = [0] * len(ids)
-    for k, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        start = len(render(messages[:k], True))
-        end = len(render(messages[: k + 1], False))
-        assert ids[:end] == render(messages[: k + 1], False), "chat template is not prefix-consistent"
-        # the turn runs up to and including its <|im_end|>; the newline after it is context
-        span_end = start + ids[start:end].index(tokenizer.eos_token_id) + 1
-        mask[start:span_end] = [1] * (span_end - start)
-    return ids, mask
-
-
-def sft(model, tokenizer, cfg: SFTConfig, demonstrations: list[list[dict]], tools: list[dict],
+def sft(model, tokenizer, cfg: SFTConfig, encoded: list[tuple[list[int], list[int]]],
         evaluate: Callable[[object], float], log=lambda step, metrics: None) -> SFTResult:
-    """Train on `demonstrations` (OpenAI-format chats using `tools`); every `eval_every` steps
-    from `min_steps` on, `evaluate(model)` (the task's success at `eval_temperature`, which the
-    caller composes: trainers/ knows no task) decides whether to stop."""
+    """Train on demonstrations encoded as (token ids, 0/1 loss mask) pairs (the caller renders them
+    in the model's chat format: `rollout.chat.encode_demo`); every `eval_every` steps from
+    `min_steps` on, `evaluate(model)` (the task's success at `eval_temperature`, which the caller
+    composes: trainers/ knows no task) decides whether to stop."""
     torch.manual_seed(cfg.seed)
-    encoded = [encode_demo(tokenizer, d, tools) for d in demonstrations]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps))
     rng = torch.Generator().manual_seed(cfg.seed)

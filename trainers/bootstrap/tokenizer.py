@@ -1,6 +1,12 @@
-"""A byte-level BPE tokenizer with a ChatML template and Hermes tool-call markup, trained here.
+"""A byte-level BPE tokenizer trained here, with each model family's chat format.
 
-Invariants the rest of Flywheel relies on:
+`qwen2` (the default): ChatML with Hermes tool-call markup, below. `qwen3`: ChatML, Qwen3's tools
+block and its think blocks (an empty one opens each generated turn, and past turns drop theirs).
+`llama`: Llama 3.1's headers, `<|eot_id|>`, JSON tool calls (`{"name", "parameters"}`, vLLM's
+`llama3_json` parser) and `ipython` tool results. The templates are written here, in each
+family's format (no hub to fetch them from); `FORMATS` holds them with their special tokens.
+
+Invariants the rest of Flywheel relies on (qwen2's names; each family has its own):
 - Digits and arithmetic operators are single tokens (numbers are copied digit by digit).
 - `<|im_start|>`, `<|im_end|>`, `<|endoftext|>` are special tokens; `<tool_call>`, `</tool_call>`,
   `<tool_response>`, `</tool_response>` are single, non-special added tokens so they survive
@@ -13,6 +19,7 @@ Invariants the rest of Flywheel relies on:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -50,44 +57,157 @@ CHAT_TEMPLATE = """\
 {% endif %}"""
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+QWEN3_TEMPLATE = """\
+{%- if messages[0].role == 'system' %}{% set system = messages[0].content %}{% set rest = messages[1:] %}\
+{%- else %}{% set system = '' %}{% set rest = messages %}{% endif %}\
+{%- if tools %}<|im_start|>system
+{% if system %}{{ system }}
+
+{% endif %}# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{% for tool in tools %}{{ (tool.function if tool.function is defined else tool) | tojson }}
+{% endfor %}</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif system %}<|im_start|>system
+{{ system }}<|im_end|>
+{% endif %}\
+{%- set ns = namespace(last_user=-1) %}{% for m in rest %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}\
+{%- for m in rest %}\
+{%- if m.role == 'user' %}<|im_start|>user
+{{ m.content }}<|im_end|>
+{% elif m.role == 'assistant' %}<|im_start|>assistant
+{% if loop.index0 > ns.last_user and (loop.last or m.reasoning_content) %}<think>
+{{ (m.reasoning_content or '') | trim }}
+</think>
+
+{% endif %}{% if m.content %}{{ m.content }}{% endif %}\
+{%- for tc in (m.tool_calls or []) %}{% set f = tc.function if tc.function is defined else tc %}\
+{%- if loop.index0 > 0 or m.content %}
+{% endif %}<tool_call>
+{"name": "{{ f.name }}", "arguments": {{ f.arguments if f.arguments is string else (f.arguments | tojson) }}}
+</tool_call>\
+{%- endfor %}<|im_end|>
+{% elif m.role == 'tool' %}{% if loop.first or rest[loop.index0 - 1].role != 'tool' %}<|im_start|>user{{ '\\n' }}{% endif %}\
+<tool_response>
+{{ m.content }}
+</tool_response>{% if loop.last or rest[loop.index0 + 1].role != 'tool' %}<|im_end|>
+{% endif %}{% endif %}\
+{%- endfor %}\
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if not enable_thinking is defined or not enable_thinking %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+
+LLAMA_TEMPLATE = """\
+{{- bos_token }}\
+{%- if messages[0].role == 'system' %}{% set system = messages[0].content | trim %}{% set rest = messages[1:] %}\
+{%- else %}{% set system = '' %}{% set rest = messages %}{% endif %}\
+<|start_header_id|>system<|end_header_id|>
+
+{% if tools %}Environment: ipython
+{% endif %}Cutting Knowledge Date: December 2023
+
+{% if tools %}You have access to the following functions. To call a function, please respond with JSON for a \
+function call. Respond in the format {"name": function name, "parameters": dictionary of argument name and its \
+value}. Do not use variables.
+
+{% for tool in tools %}{{ (tool.function if tool.function is defined else tool) | tojson }}
+
+{% endfor %}{% endif %}{{ system }}<|eot_id|>\
+{%- for m in rest %}\
+{%- if m.role == 'assistant' and m.tool_calls %}{% set f = m.tool_calls[0].function %}\
+<|start_header_id|>assistant<|end_header_id|>
+
+{"name": "{{ f.name }}", "parameters": {{ f.arguments if f.arguments is string else (f.arguments | tojson) }}}<|eot_id|>\
+{%- elif m.role == 'tool' or m.role == 'ipython' %}<|start_header_id|>ipython<|end_header_id|>
+
+{{ m.content }}<|eot_id|>\
+{%- else %}<|start_header_id|>{{ m.role }}<|end_header_id|>
+
+{{ m.content | trim }}<|eot_id|>\
+{%- endif %}\
+{%- endfor %}\
+{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
+
+{% endif %}"""
+
+
+@dataclass(frozen=True)
+class ChatFormatSpec:
+    """A family's chat format: its template and the tokens the template and the model need."""
+    template: str
+    special: tuple[str, ...]  # special tokens (the BPE never splits them; decoding keeps them)
+    added: tuple[str, ...]  # markup tokens kept whole and decoded as text (tool-call tags)
+    eos: str  # the end-of-turn token: an assistant turn ends in it
+    pad: str
+    bos: str | None = None  # rendered by the template itself, never added by the tokenizer
+
+
+FORMATS = {
+    "qwen2": ChatFormatSpec(CHAT_TEMPLATE, tuple(SPECIAL_TOKENS), tuple(TOOL_TOKENS), "<|im_end|>", "<|endoftext|>"),
+    "qwen3": ChatFormatSpec(QWEN3_TEMPLATE, tuple(SPECIAL_TOKENS), tuple(TOOL_TOKENS) + ("<think>", "</think>"),
+                            "<|im_end|>", "<|endoftext|>"),
+    "llama": ChatFormatSpec(LLAMA_TEMPLATE, ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                                             "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"), (),
+                            "<|eot_id|>", "<|end_of_text|>", "<|begin_of_text|>"),
+}
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, family: str = "qwen2") -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(r"[0-9+\-*/()]"), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     ])
     tok.decoder = decoders.ByteLevel()
+    fmt = FORMATS[family]
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(fmt.special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    if fmt.added:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in fmt.added])
     return tok
 
 
-def save_hf_tokenizer(tok: Tokenizer, out_dir: str | Path, model_max_length: int):
-    """Wrap in a transformers fast tokenizer with the chat template and save it to `out_dir`."""
+def save_hf_tokenizer(tok: Tokenizer, out_dir: str | Path, model_max_length: int, family: str = "qwen2"):
+    """Wrap in a transformers fast tokenizer with the family's chat template; save it to `out_dir`."""
     from transformers import PreTrainedTokenizerFast
 
+    fmt = FORMATS[family]
+    named = {fmt.eos, fmt.pad} | ({fmt.bos} if fmt.bos else set())
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
+        eos_token=fmt.eos,
+        pad_token=fmt.pad,
+        **({"bos_token": fmt.bos} if fmt.bos else {}),
+        additional_special_tokens=[t for t in fmt.special if t not in named],
         model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,
     )
-    hf.chat_template = CHAT_TEMPLATE
+    hf.chat_template = fmt.template
     hf.save_pretrained(str(out_dir))
     return hf
 
 
-def render_texts(conversations: list[list[dict]], tools: list[dict]) -> list[str]:
-    """Render conversations with CHAT_TEMPLATE before any tokenizer exists (to train one)."""
+def render_texts(conversations: list[list[dict]], tools: list[dict], family: str = "qwen2") -> list[str]:
+    """Render conversations with the family's template before any tokenizer exists (to train one)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    rendered, _ = render_jinja_template(conversations=conversations, tools=tools, chat_template=CHAT_TEMPLATE)
+    fmt = FORMATS[family]
+    rendered, _ = render_jinja_template(conversations=conversations, tools=tools, chat_template=fmt.template,
+                                        bos_token=fmt.bos or "")
     return rendered

@@ -50,7 +50,14 @@ def ensure_ray(cfg: RayConfig) -> float:
             # dashboard) every second and warns each time it cannot: keep Ray's own loggers to errors
             kwargs["logging_config"] = ray.LoggingConfig(log_level="ERROR")
     ray.init(address=cfg.address, **kwargs)
+    if cfg.address is None and "RAY_ADDRESS" not in os.environ:
+        # Ray's own clients in this process (Ray Train's placement-group cleaner asks the state API)
+        # look for "the" local runtime and fail when another `loop run` on the host has one too
+        os.environ["RAY_ADDRESS"] = _OURS["address"] = ray.get_runtime_context().gcs_address
     return time.perf_counter() - t0
+
+
+_OURS: dict[str, str] = {}  # the RAY_ADDRESS this process set for the runtime it started
 
 
 def shutdown_ray() -> None:
@@ -59,6 +66,8 @@ def shutdown_ray() -> None:
 
     if "ray" in sys.modules and sys.modules["ray"].is_initialized():
         sys.modules["ray"].shutdown()
+    if _OURS and os.environ.get("RAY_ADDRESS") == _OURS.pop("address"):
+        del os.environ["RAY_ADDRESS"]  # the next local runtime is a new one
 
 
 def run_training(job: TrainJob, ray_cfg: RayConfig, report: Callable[[int, dict], None] = lambda s, m: None

@@ -34,12 +34,35 @@ def test_speculative_config_and_vllm_args():
     with pytest.raises(ValueError, match="ngram_min"):
         SpeculativeConfig(method="ngram", ngram_min=3, ngram_max=2)
     args = vllm_cli_args(ServeConfig(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=2),
-                                     logprobs_mode="raw_logprobs"), EngineConfig(), "/m", port=1234)
+                                     logprobs_mode="raw_logprobs", tool_call_parser="hermes"), EngineConfig(), "/m",
+                         port=1234)
     spec = json.loads(args[args.index("--speculative-config") + 1])
     assert spec == {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     assert args[args.index("--port") + 1] == "1234" and "--enable-prefix-caching" in args
     assert args[args.index("--tool-call-parser") + 1] == "hermes" and "--enable-auto-tool-choice" in args
-    assert "--speculative-config" not in vllm_cli_args(ServeConfig(), EngineConfig(), "/m")
+    assert "--speculative-config" not in vllm_cli_args(ServeConfig(tool_call_parser="none"), EngineConfig(), "/m")
+
+
+def test_the_tool_parser_follows_the_chat_template(tiny_base, tmp_path):
+    """serve.tool_call_parser auto: vLLM's parser for the markup the model's template renders; a
+    template it cannot tell fails naming the key; none serves without tool calls."""
+    import shutil
+
+    from rollout.server.config import resolve_tool_parser
+
+    assert resolve_tool_parser(ServeConfig(), tiny_base.path) == "hermes"
+    args = vllm_cli_args(ServeConfig(), EngineConfig(), tiny_base.path)
+    assert args[args.index("--tool-call-parser") + 1] == "hermes" and "--enable-auto-tool-choice" in args
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny_base.path, plain)
+    (plain / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    with pytest.raises(ValueError, match="serve.tool_call_parser: .* renders no tool calls"):
+        resolve_tool_parser(ServeConfig(), str(plain))
+    (plain / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{{ tools }}{% endfor %}")
+    with pytest.raises(ValueError, match="does not recognise"):
+        resolve_tool_parser(ServeConfig(), str(plain))
+    assert "--tool-call-parser" not in vllm_cli_args(ServeConfig(tool_call_parser="none"), EngineConfig(), str(plain))
+    assert resolve_tool_parser(ServeConfig(tool_call_parser="mistral"), str(plain)) == "mistral"
 
 
 def test_processed_logprobs_with_speculation_need_exact_speculative_sampling():
@@ -218,7 +241,7 @@ def test_vllm_routes_that_change_the_server_are_off_and_v1_takes_the_key():
     from rollout.server.app import turn_off_unserved_routes
 
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(
-        vllm_cli_args(ServeConfig(), EngineConfig(), "/m"))
+        vllm_cli_args(ServeConfig(tool_call_parser="hermes"), EngineConfig(), "/m"))
     args.api_key = ["k1"]
     app = build_app(args, ("generate",), None)
     removed = turn_off_unserved_routes(app)

@@ -1,0 +1,242 @@
+"""An agent conversation on token ids, for any chat template and any tool-call format vLLM parses.
+
+    chat = ChatFormat.of(tokenizer)              # what this tokenizer's template and tool format do
+    ids = chat.prompt(messages)                  # the conversation + the generation prompt, as ids
+    msg = chat.parse(text)                       # a sampled turn -> an OpenAI assistant message
+    ids += sampled + chat.after_turn(messages)   # messages end in [assistant, tool...]: the tool
+                                                 # results and the next generation prompt, as ids
+    chat.messages(text)                          # a rendered conversation -> OpenAI messages
+
+Nothing a model sampled is ever re-tokenized: the tokens after an assistant's end-of-turn token are
+the template's own rendering of what follows it (two renders, the second minus the first; the
+template must render the history the same way both times, or `TemplateError` says where not).
+Tool calls are parsed by vLLM's own parser for the family (`hermes` for ChatML/Qwen, `llama3_json`
+for Llama 3, `mistral`, ...), the one `loop serve` passes `--tool-call-parser`: the collector and an
+outside agent on the endpoint read the same calls. `tool_parser_for(template)` picks it from the
+template where the markup says which; anything else is the config's to name.
+
+`messages(text)` inverts the template without knowing it: rendering one message of each role
+around a sentinel gives that role's framing (what precedes and follows the content), and a rendered
+conversation is split on those framings.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+SENTINEL = "QQSENTINELQQ"
+_CACHE: dict[tuple[int, str | None], tuple[object, "ChatFormat"]] = {}
+
+
+class TemplateError(ValueError):
+    """The tokenizer's chat template cannot play token-in/token-out episodes (said why)."""
+
+
+def read_chat_template(folder) -> str | None:
+    """A Hugging Face folder's chat template: chat_template.jinja, else tokenizer_config.json's."""
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    try:
+        t = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError):
+        return None
+    if isinstance(t, list):  # named templates: the default one
+        t = next((x.get("template") for x in t if x.get("name") == "default"), None)
+    return t if isinstance(t, str) else None
+
+
+def tool_parser_for(template: str | None) -> str | None:
+    """vLLM's tool parser for the tool-call markup a chat template renders, or None (unknown)."""
+    if not template:
+        return None
+    if "<tool_call>" in template:
+        return "hermes"  # Hermes, Qwen2/2.5/3 (vLLM aliases qwen to it)
+    if "<|python_tag|>" in template or ("<|start_header_id|>" in template and '"parameters"' in template):
+        return "llama3_json"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    return None
+
+
+@dataclass
+class ChatFormat:
+    tokenizer: object
+    tools: list[dict] | None
+    parser_name: str | None  # vLLM's tool parser; None: the template has no tool-call markup known here
+    _parser: object = field(default=None, repr=False)
+    _request: object = field(default=None, repr=False)
+    _framing: dict | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, tokenizer, tools: list[dict] | None = None, parser: str | None = None) -> "ChatFormat":
+        """The format of `tokenizer` (its own chat template), tool calls read by `parser` (None:
+        picked from the template). Cached per tokenizer."""
+        if tools is None:
+            from rollout.task import TOOLS
+
+            tools = TOOLS
+        key = (id(tokenizer), parser)
+        hit = _CACHE.get(key)
+        if hit is not None and hit[0] is tokenizer:
+            return hit[1]
+        template = getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise TemplateError("the tokenizer has no chat template")
+        name = parser or tool_parser_for(template)
+        if tokenizer.eos_token_id is None:
+            raise TemplateError("the tokenizer has no eos token: an assistant turn must end in one")
+        fmt = cls(tokenizer, tools, name)
+        _CACHE[key] = (tokenizer, fmt)
+        return fmt
+
+    # -- rendering ----------------------------------------------------------------------------
+    def render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=generation_prompt,
+                                                  tokenize=False)
+
+    def ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prompt(self, messages: list[dict]) -> list[int]:
+        return self.ids(self.render(messages, True))
+
+    @property
+    def eot(self) -> str:
+        return self.tokenizer.decode([self.tokenizer.eos_token_id], skip_special_tokens=False)
+
+    def after_turn(self, messages: list[dict]) -> list[int]:
+        """Ids after the last assistant message's end-of-turn token: what follows it in `messages`
+        (tool results) and the next generation prompt. Read off the template's rendering of the
+        whole conversation after the same number of end-of-turn tokens, so a template that renders
+        past turns differently once others follow (Qwen3 drops their empty think blocks) still
+        gives the right continuation; the tokens before it are the ones sampled, never re-rendered."""
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+        if last is None:
+            raise ValueError("after_turn needs an assistant message")
+        turns = self.render(messages[:last + 1], False).count(self.eot)
+        after = self.render(messages, True)
+        cut = -len(self.eot)
+        for _ in range(turns):
+            cut = after.find(self.eot, cut + len(self.eot))
+            if cut < 0:
+                raise TemplateError(f"the template renders fewer end-of-turn tokens {self.eot!r} once a tool "
+                                    "result follows the assistant turn")
+        return self.ids(after[cut + len(self.eot):])
+
+    def assistant_text(self, messages: list[dict]) -> str:
+        """How the template renders the last message (an assistant's) after the generation prompt,
+        through its end-of-turn token: what a demonstration teaches the model to sample."""
+        head = self.render(messages[:-1], True)
+        full = self.render(messages, False)
+        if not full.startswith(head):
+            raise TemplateError("the template renders an assistant turn differently from its generation prompt")
+        body = full[len(head):]
+        end = body.find(self.eot)
+        if end < 0:
+            raise TemplateError(f"the template renders no end-of-turn token {self.eot!r} after an assistant message")
+        return body[:end + len(self.eot)]
+
+    # -- parsing ------------------------------------------------------------------------------
+    def parse(self, text: str) -> dict:
+        """A sampled assistant turn (its end-of-turn token stripped) as an OpenAI message, its calls
+        read by vLLM's parser. Malformed markup is content, with no call (as the endpoint says);
+        with no parser (a template without tool markup) all of it is content."""
+        if self.parser_name is None:
+            return {"role": "assistant", "content": text.strip(), "tool_calls": None}
+        if self._parser is None:
+            from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+            from vllm.tool_parsers import ToolParserManager
+
+            self._parser = ToolParserManager.get_tool_parser(self.parser_name)(self.tokenizer)
+            self._request = ChatCompletionRequest(model="flywheel", messages=[{"role": "user", "content": "-"}],
+                                                  tools=self.tools)
+        quiet = logging.getLogger("vllm.tool_parsers")
+        level, quiet.level = quiet.level, logging.CRITICAL  # a malformed call logs a traceback each time
+        try:
+            out = self._parser.extract_tool_calls(text, self._request)
+        finally:
+            quiet.level = level
+        calls = [{"id": f"call_{i}", "type": "function",
+                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                 for i, c in enumerate(out.tool_calls)] if out.tools_called else []
+        content = (out.content or "").strip() if calls else text.strip()
+        return {"role": "assistant", "content": content, "tool_calls": calls or None}
+
+    def framing(self) -> dict[str, list[tuple[str, str]]]:
+        """role -> [(what the template puts before a message's content, what after it through the
+        end-of-turn token)], learned by rendering sentinel messages. The assistant's has the
+        generation prompt's too: a sampled turn follows that one."""
+        if self._framing is None:
+            s, eot = SENTINEL, self.eot
+            call = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            convo = [{"role": "system", "content": s + "S"}, {"role": "user", "content": s + "U"},
+                     {"role": "assistant", "content": s + "A"}, {"role": "user", "content": s + "V"},
+                     {"role": "assistant", "content": "", "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": "call_0", "content": s + "T"}]
+            text = self.render(convo, False)
+            out: dict[str, list[tuple[str, str]]] = {}
+            for role, tag in (("system", "S"), ("user", "V"), ("assistant", "A"), ("tool", "T")):
+                at = text.find(s + tag)
+                start = text.rfind(eot, 0, at)
+                start = 0 if start < 0 else start + len(eot)
+                out[role] = [(text[start:at], text[at + len(s) + 1:text.find(eot, at) + len(eot)])]
+            head = self.render(convo[:4], False)
+            gen = self.render(convo[:4], True)[len(head):]
+            out["assistant"].append((head[head.rfind(eot) + len(eot):] + gen, eot))
+            self._framing = out
+        return self._framing
+
+    def messages(self, text: str) -> list[dict]:
+        """A rendered conversation (as the model saw it) as OpenAI messages: the next message is
+        the framing that starts first (the longest there); text before it that no framing reads
+        is skipped. An assistant turn cut off before its end-of-turn token runs to the end."""
+        candidates = sorted(((pre, post, role) for role, fs in self.framing().items() for pre, post in fs),
+                            key=lambda c: -len(c[0]))
+        out, pos = [], 0
+        while pos < len(text):
+            found = [(text.find(pre, pos), i) for i, (pre, _, _) in enumerate(candidates) if pre]
+            found = [(at, i) for at, i in found if at >= 0]
+            if not found:
+                break
+            at, i = min(found)  # earliest; among equal starts the longest framing (sorted first)
+            pre, post, role = candidates[i]
+            start = at + len(pre)
+            end = text.find(post, start)
+            body = text[start:end if end >= 0 else len(text)]
+            pos = end + len(post) if end >= 0 else len(text)
+            if role == "assistant":
+                out.append(self.parse(body))
+            else:
+                out.append({"role": role, "content": body.strip() if role == "system" else body})
+        return out
+
+
+def encode_demo(tokenizer, messages: list[dict], tools: list[dict]) -> tuple[list[int], list[int]]:
+    """Token ids of a demonstration as an episode of it is played, and a 0/1 mask of the
+    assistant's tokens: the prompt, then each assistant turn as the template renders it after its
+    generation prompt (through its end-of-turn token: the loss), then what follows it (tool
+    results and the next generation prompt). So SFT trains on the very token sequences the
+    collector builds, for any template, also one that renders past turns differently once others
+    follow. What the full render has after the last turn is context.
+    """
+    chat = ChatFormat.of(tokenizer, tools)
+    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    if not turns:
+        raise ValueError("a demonstration needs an assistant turn")
+    ids = chat.prompt(messages[:turns[0]])
+    mask = [0] * len(ids)
+    for k, nxt in zip(turns, turns[1:] + [None]):
+        said = chat.ids(chat.assistant_text(messages[:k + 1]))
+        if nxt is not None:
+            after = chat.after_turn(messages[:nxt])
+        else:
+            text = chat.render(messages, False)
+            after = chat.ids(text[text.rfind(chat.eot) + len(chat.eot):])
+        ids += said + after
+        mask += [1] * len(said) + [0] * len(after)
+    return ids, mask

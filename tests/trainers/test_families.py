@@ -1,0 +1,96 @@
+"""Model families other than the default Qwen2: each with its own chat format (Qwen3's think
+blocks, Llama 3.1's headers and JSON tool calls), played token-in/token-out by `rollout.chat`,
+its tool calls read by vLLM's parser for it, and `base.model` checked at config load."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from rollout.chat import ChatFormat, encode_demo
+from rollout.episode import after_turn, agent_step, prompt_ids
+from rollout.task import TOOLS, calculator, demonstration, make_problems, problem_from_question, reward
+from trainers.bootstrap.model import FAMILIES, ModelConfig, build_model
+from trainers.bootstrap.tokenizer import render_texts, save_hf_tokenizer, train_tokenizer
+
+PARSERS = {"qwen2": "hermes", "qwen3": "hermes", "llama": "llama3_json"}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    fam = request.param
+    texts = render_texts([demonstration(p) for p in make_problems("train", 300, 0)], TOOLS, fam)
+    out = tmp_path_factory.mktemp(fam)
+    return fam, save_hf_tokenizer(train_tokenizer(texts, 512, fam), out, 512, fam)
+
+
+def test_each_family_plays_episodes_token_in_token_out(family):
+    fam, tok = family
+    chat = ChatFormat.of(tok)
+    assert chat.parser_name == PARSERS[fam]
+    for p in make_problems("eval", 20, seed=4):
+        demo = demonstration(p)
+        ids, mask = encode_demo(tok, demo, TOOLS)
+        # SFT trains on the episode the collector builds: prompt, call, tool result + next header, answer
+        call = chat.ids(chat.assistant_text(demo[:3]))
+        answer = chat.ids(chat.assistant_text(demo))
+        msgs, more = after_turn(tok, demo[:3], demo[3]["content"])
+        played = prompt_ids(tok, demo[:2]) + call + more + answer
+        assert ids[:len(played)] == played and sum(mask) == len(call) + len(answer)
+        assert call[-1] == answer[-1] == tok.eos_token_id
+        # vLLM's parser for the family reads the sampled call; the calculator answers it
+        msg, result = agent_step(tok, call, "stop")
+        assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"expression": p.expression}
+        assert result == calculator(p.expression) == demo[3]["content"]
+        assert agent_step(tok, answer, "stop") == ({"role": "assistant", "content": f"Answer: {p.answer}",
+                                                    "tool_calls": None}, None)
+        # the played tokens read back into the conversation, rewarded as the demonstration is
+        back = chat.messages(tok.decode(played, skip_special_tokens=False))
+        assert [m["role"] for m in back] == ["system", "user", "assistant", "tool", "assistant"]
+        assert back[1]["content"] == p.question and back[3]["content"] == demo[3]["content"]
+        assert reward(problem_from_question(back[1]["content"]), back) == 1.0
+    whole = tok.apply_chat_template(demo, tools=TOOLS, tokenize=False)
+    if fam == "qwen3":  # past turns lose their (empty) think block once another turn follows
+        assert whole.count("<think>") == 1 and tok.decode(played, skip_special_tokens=False).count("<think>") == 2
+    else:  # the template renders the conversation as it was played
+        assert tok.decode(ids, skip_special_tokens=False) == whole
+
+
+def test_each_family_builds_an_architecture_vllm_serves(family, tmp_path):
+    from rollout.engine import check_servable
+
+    fam, tok = family
+    cfg = ModelConfig(family=fam, vocab_size=512, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                      intermediate_size=128)
+    model = build_model(cfg, tok)
+    model.save_pretrained(tmp_path)
+    arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[fam]
+    assert check_servable(str(tmp_path)) == arch
+    assert model.config.tie_word_embeddings == (fam != "llama")  # Llama: a separate lm_head, as the 8B has
+    with pytest.raises(ValueError, match="family must be one of"):
+        ModelConfig(family="gpt2")
+
+
+def test_base_model_is_checked_at_config_load(tiny_base, tmp_path):
+    from loop.config import load_config
+    from loop.configs import ConfigError
+
+    cfg = load_config("conf/tiny.yaml", [f"base.model={tiny_base.path}"])
+    assert cfg.bootstrap.model.path == tiny_base.path
+    with pytest.raises(ConfigError, match=r"base: model: .* \(no config.json\)"):
+        load_config("conf/tiny.yaml", [f"base.model={tmp_path}"])
+    odd = tmp_path / "odd"
+    shutil.copytree(tiny_base.path, odd)
+    config = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**config, "architectures": ["MadeUpForCausalLM"]}))
+    with pytest.raises(ConfigError, match=r"base: model: .* vLLM serves none of its architectures \['MadeUp"):
+        load_config("conf/tiny.yaml", [f"base.model={odd}"])
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny_base.path, plain)
+    (plain / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    with pytest.raises(ConfigError, match="serve.tool_call_parser: auto .* renders no tool calls"):
+        load_config("conf/tiny.yaml", [f"base.model={plain}"])
+    with pytest.raises(ConfigError, match="serve.tool_call_parser none: the calculator task calls a tool"):
+        load_config("conf/tiny.yaml", [f"base.model={plain}", "serve.tool_call_parser=none"])
