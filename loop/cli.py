@@ -119,17 +119,19 @@ def eval_main(argv: list[str]) -> int:
     p.add_argument("--logprobs-k", type=int, default=20)
     p.add_argument("--paired", help="a second model played on the same problems after the first (the gate's test)")
     p.add_argument("--eval-seed", help="which eval problems (default: task.seed)")
+    p.add_argument("--no-play", action="store_true",
+                   help="no eval problems: the engine's --logprobs only (the gate's engine stage for your agent)")
     a = p.parse_intermixed_args(argv)
     try:
         cfg = load_config(a.config, a.overrides)
-        if cfg.task.agent:  # your agent on your eval tasks, through a server of MODEL
+        if cfg.task.agent and not a.no_play:  # your agent on your eval tasks, through a server of MODEL
             from loop.evaluate import agent_eval
 
             result = agent_eval(cfg, a.model)
             print(json.dumps(result) if a.json else f"{a.model} with {cfg.task.agent}: success {result['success']:.1%} on "
                   f"{result['num_problems']} eval tasks ({result['abandoned']} abandoned, {result['pending']} rewarded later)")
             return 0
-        result = evaluate_here(cfg, a.model, a.quant, tuple(a.temperature),
+        result = evaluate_here(cfg, a.model, a.quant, () if a.no_play else tuple(a.temperature),
                                (*a.logprobs, a.logprobs_k) if a.logprobs else None, a.paired, a.eval_seed)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

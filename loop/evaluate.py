@@ -96,8 +96,8 @@ def served_success(config: str, model: str, quant: str, overrides: list[str] = (
     """`evaluate_here` in a child process (its engine goes when it exits). The child runs vLLM's
     engine core and worker in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=0): an offline
     evaluation needs no separate processes, and the engine starts in ~7 s instead of ~25 s here."""
-    cmd = [sys.executable, "-m", "loop.cli", "eval", config, str(model), *overrides, "--quant", quant,
-           "--temperature", *map(str, temperatures), "--json"]
+    cmd = [sys.executable, "-m", "loop.cli", "eval", config, str(model), *overrides, "--quant", quant, "--json"]
+    cmd += ["--temperature", *map(str, temperatures)] if temperatures else ["--no-play"]
     if logprobs:
         cmd += ["--logprobs", logprobs[0], logprobs[1], "--logprobs-k", str(logprobs[2])]
     if paired:
@@ -138,7 +138,8 @@ def agent_eval(cfg, model: str) -> dict:
                                  episode_timeout_s=r.episode_timeout_s, request_timeout_s=r.request_timeout_s,
                                  api_key=cfg.serve.resolved_api_key() or "unused")
             episodes = asyncio.run(run_agent(load_agent(cfg.task.agent), tasks, run))
-    scored = [e.reward if e.status == "ok" else 0.0 for e in episodes if e.status != "pending"]
+    by_task = [None if e.status == "pending" else e.reward if e.status == "ok" else 0.0 for e in episodes]
+    scored = [x for x in by_task if x is not None]
     return {"model": str(model), "agent": cfg.task.agent, "num_problems": len(tasks), "success": sum(scored) / max(1, len(scored)),
-            "outcomes": scored, "abandoned": sum(e.status == "abandoned" for e in episodes),
+            "outcomes": scored, "by_task": by_task, "abandoned": sum(e.status == "abandoned" for e in episodes),
             "pending": sum(e.status == "pending" for e in episodes), "seconds": round(time.perf_counter() - t0, 1)}

@@ -137,7 +137,9 @@ def engine_side(cfg, folder: str, seqs, vocab_size: int, run_dir: Path, paired: 
                 eval_seed: str | None = None, best: float | None = None):
     """The candidate on vLLM in a child process: prompt log-probs of `seqs` and its eval outcomes on
     the eval problems `eval_seed` draws; with `paired` (the serving folder), the serving version's
-    outcomes on the very same problems, played after it in the same child (the paired test)."""
+    outcomes on the very same problems, played after it in the same child (the paired test). With
+    your agent (`task.agent`) the engine plays no built-in problems: log-probs only (agent_paired
+    plays your eval split)."""
     import torch
 
     from loop.evaluate import served_success
@@ -151,15 +153,33 @@ def engine_side(cfg, folder: str, seqs, vocab_size: int, run_dir: Path, paired: 
     with tempfile.TemporaryDirectory() as d:
         scored = [[i for i in range(len(s) - 1) if m[i + 1]] for s, m in zip(seqs.ids, seqs.sampled)]
         (Path(d) / "seqs.json").write_text(json.dumps({"ids": [list(s) for s in seqs.ids], "scored": scored}))
-        res = retry_once(lambda: served_success(str(logs / "gate.yaml"), folder, cfg.serve.quant, temperatures=(t,),
+        play = (t,) if cfg.task.agent is None else ()
+        res = retry_once(lambda: served_success(str(logs / "gate.yaml"), folder, cfg.serve.quant, temperatures=play,
                                                 logprobs=(str(Path(d) / "seqs.json"), str(Path(d) / "lp.pt"), k),
                                                 paired=paired, eval_seed=eval_seed),
                          f"the gate's engine on {folder}")
         lp = torch.load(Path(d) / "lp.pt")["logprobs"]
     source = f"vLLM {res['kernel_build']} {res['fmt']} in {res['dtype']}, prompt log-probs top-{k}"
+    if not play:
+        return EngineSide(lp, None, None, t, 0, source, res["seconds"]), res
     outcomes = (res["outcomes"][f"T={t}"], res["paired"]["outcomes"][f"T={t}"]) if paired else None
     return EngineSide(lp, res[f"T={t}"], res["paired"][f"T={t}"] if paired else None, t, res["num_problems"], source,
                       res["seconds"], outcomes, best, eval_seed), res
+
+
+def agent_paired(cfg, candidate: str, serving: str) -> tuple[list[float], list[float], float] | None:
+    """Your agent on `task.source`'s eval split through a server of the candidate, then of the
+    serving version: the per-task rewards of the tasks both scored (a reward that comes later leaves
+    its task out), and the seconds. None when the source has no eval split."""
+    from loop.evaluate import agent_eval
+    from rollout.task_source import load_tasks
+
+    if not load_tasks(cfg.task.source, "eval"):
+        return None
+    t0 = time.perf_counter()
+    c, s = agent_eval(cfg, candidate)["by_task"], agent_eval(cfg, serving)["by_task"]
+    both = [(a, b) for a, b in zip(c, s) if a is not None and b is not None]
+    return [a for a, _ in both], [b for _, b in both], time.perf_counter() - t0
 
 
 def gate_eval_seed(cfg, k: int | str) -> str:
@@ -196,14 +216,20 @@ def gate(cfg, candidate: str, fp: str | None, serving: str, seqs, run_dir: Path,
         from transformers import AutoConfig
 
         vocab = AutoConfig.from_pretrained(candidate).vocab_size
+        agent = cfg.task.agent is not None  # its eval is your agent's tasks, not the built-in problems
         try:
-            engine, _ = engine_side(cfg, candidate, seqs, vocab, run_dir, serving if paired else None, eval_seed, best)
+            engine, _ = engine_side(cfg, candidate, seqs, vocab, run_dir, serving if paired and not agent else None,
+                                    eval_seed, None if agent else best)
+            played = agent_paired(cfg, candidate, serving) if agent and paired else None
         except RuntimeError as e:  # the engine (or the serving version's evaluation) died: not a pass
             report.passed, report.stage = False, "engine"
             report.reasons.append(f"engine stage failed: {str(e)[-600:]}")
         else:
             tolerance = cfg.validate.engine_tolerance or detect().canary_tolerance(serving_format(quant_format(candidate)))
             g.with_engine(engine, tolerance)
+            if played is not None:
+                cand, serv, _ = played
+                g.with_agent_eval(cand, serv, source=f"{cfg.task.agent} on {cfg.task.source}'s eval split")
     write_report(g, out_dir)
     return g
 

@@ -96,7 +96,7 @@ class GateConfig:
 class EngineSide:
     """What the engine measured for the candidate as served (loop/gate.py runs it)."""
     logprobs: torch.Tensor  # [num_scored, vocab] log-probs, NaN where the engine returned none
-    success: float  # eval success at `temperature`
+    success: float | None  # eval success at `temperature` (None: no built-in problems played, your agent's task)
     serving_success: float | None  # the serving version's, same problems and temperature
     temperature: float
     num_problems: int
@@ -134,13 +134,16 @@ class GateReport:
         verdict = "PASS" if self.passed else "FAIL: " + "; ".join(self.reasons)
         return (f"gate {verdict} | damage KL mean {q.get('mean', float('nan')):.2e} p99 {q.get('p99', float('nan')):.2e} "
                 f"| drift KL mean {d.get('mean', float('nan')):.2e} p99 {d.get('p99', float('nan')):.2e} "
-                f"| success {self.eval.get('candidate_success', float('nan')):.1%} vs "
-                f"{self.eval.get('serving_success') if self.eval.get('serving_success') is not None else float('nan'):.1%}"
+                f"| success {_nan(self.eval.get('candidate_success')):.1%} vs {_nan(self.eval.get('serving_success')):.1%}"
                 + (f" paired on {self.eval['num_problems']} fresh problems, delta {self.eval['success_delta']:+.3f} "
                    f"(lower bound {self.eval['success_delta_lower']:+.3f})" if "success_delta_lower" in self.eval else "")
                 + (f" | OPE on {self.ope['n']} logged episodes: {self.ope['value']:.1%} vs logged {self.ope['logged']:.1%}, "
                    f"delta {self.ope['delta']:+.3f} (lower bound {self.ope['lower']:+.3f}, ESS {self.ope['ess']:.0f})"
                    if self.ope else ""))
+
+
+def _nan(x) -> float:
+    return float("nan") if x is None else x
 
 
 def _limits(report: GateReport, cfg: GateConfig, side: str) -> None:
@@ -267,15 +270,7 @@ class KLGate:
         r.eval = {"candidate_success": engine.success, "serving_success": engine.serving_success,
                   "temperature": engine.temperature, "num_problems": engine.num_problems, "eval_seed": engine.eval_seed}
         if engine.paired is not None:
-            t = paired_test(*engine.paired, margin=self.cfg.min_success_delta, alpha=self.cfg.success_alpha)
-            r.eval |= {"success_delta": t.delta, "success_delta_se": t.se, "success_delta_lower": t.lower,
-                       "success_alpha": t.alpha}
-            if not self.decides_by_ope:
-                r.success = {"source": "eval", "delta": t.delta, "lower": t.lower, "passed": t.passed}
-            if not t.passed and not self.decides_by_ope:
-                r.reasons.append(f"paired success delta {t.delta:+.3f} (se {t.se:.3f}): its {1 - t.alpha:.0%} lower "
-                                 f"bound {t.lower:+.3f} is not above validate.min_success_delta "
-                                 f"{self.cfg.min_success_delta:+g}")
+            self._paired(*engine.paired)
         if engine.best_success is not None:
             floor = round(engine.best_success - self.cfg.max_below_best, 9)
             r.eval["best_success"] = engine.best_success
@@ -285,6 +280,30 @@ class KLGate:
         r.timings["engine_s"] = round(engine.seconds, 2)
         r.passed = not r.reasons
         return r
+
+    def _paired(self, candidate: list[float], serving: list[float]) -> None:
+        """The paired success test on per-problem outcomes; it decides unless OPE does."""
+        r = self.report
+        t = paired_test(candidate, serving, margin=self.cfg.min_success_delta, alpha=self.cfg.success_alpha)
+        r.eval |= {"candidate_success": t.candidate, "serving_success": t.serving, "num_problems": t.n,
+                   "success_delta": t.delta, "success_delta_se": t.se, "success_delta_lower": t.lower,
+                   "success_alpha": t.alpha}
+        if not self.decides_by_ope:
+            r.success = {"source": "eval", "delta": t.delta, "lower": t.lower, "passed": t.passed}
+            if not t.passed:
+                r.reasons.append(f"paired success delta {t.delta:+.3f} (se {t.se:.3f}): its {1 - t.alpha:.0%} lower "
+                                 f"bound {t.lower:+.3f} is not above validate.min_success_delta "
+                                 f"{self.cfg.min_success_delta:+g}")
+        r.passed = not r.reasons
+
+    def with_agent_eval(self, candidate: list[float], serving: list[float], source: str) -> GateReport:
+        """Your agent's eval split played through both versions: the paired test beside OPE, so the
+        estimator is checked against a measurement every cycle (it decides only with
+        success_source "eval")."""
+        if len(candidate) >= 2:
+            self._paired(candidate, serving)
+            self.report.eval["source"] = source
+        return self.report
 
     def per_episode(self) -> dict[str, dict[str, float]]:
         """{episode id: {"drift"|"quant": mean KL over its scored tokens}} (unknown entries left out)."""

@@ -69,3 +69,47 @@ def test_a_window_the_parent_never_served_is_not_trained_on(ds_episodes, ds_trac
     assert window_served_by(cfg, SimpleNamespace(weight_versions=(3,)), "0" * 64)
     assert not window_served_by(cfg, SimpleNamespace(weight_versions=(3,)), "1" * 64)
     assert not window_served_by(cfg, SimpleNamespace(weight_versions=(4,)), "0" * 64)
+
+
+def test_your_agents_candidates_are_gated_on_your_tasks_not_the_calculator(tiny_base, tiny_cfg, gate_dataset,
+                                                                          monkeypatch, tmp_path):
+    """With `task.agent` the gate's engine stage plays no built-in problem (log-probs only), OPE on
+    the logged episodes decides, and your eval split, played through both versions, is the paired
+    measurement beside it; no built-in success floor applies. On b774e0a the engine stage's child
+    (`loop eval` on a config with `task.agent`) played your agent's eval and wrote no log-probs:
+    FileNotFoundError out of the gate, the cycle stopped."""
+    import dataclasses
+    import json
+
+    import loop.gate as lg
+    from loop.bootstrap import TaskConfig
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    for split in ("train", "eval"):
+        (tasks / f"{split}.jsonl").write_text("".join(json.dumps({"question": f"{i}+1", "answer": i + 1}) + "\n"
+                                                      for i in range(4)))
+    (tmp_path / "agent.py").write_text("async def play(task, client):\n    return 1.0\n")
+    cfg = dataclasses.replace(tiny_cfg, task=TaskConfig(agent=f"{tmp_path / 'agent.py'}:play", source=str(tasks)))
+    played = []
+
+    def agent_eval(c, model):  # your agent through a server of each version (served in its own test)
+        played.append(model)
+        return {"by_task": [1.0, 0.0, None, 1.0] if model == "cand" else [0.0, 0.0, 1.0, 1.0]}
+
+    monkeypatch.setattr("loop.evaluate.agent_eval", agent_eval)
+    seqs = lg.heldout(cfg, gate_dataset.path)
+    engine, res = lg.engine_side(cfg, tiny_base.path, seqs, 512, tmp_path, tiny_base.path, "gate-0-1", best=0.9)
+    assert engine.success is None and engine.paired is None and engine.num_problems == 0 and "T=1.0" not in res
+    assert engine.logprobs.shape[0] == sum(sum(m[1:]) for m in seqs.sampled)  # the engine stage's log-probs
+    assert lg.agent_paired(cfg, "cand", "srv")[:2] == ([1.0, 0.0, 1.0], [0.0, 0.0, 1.0]) and played == ["cand", "srv"]
+
+    monkeypatch.setattr(lg, "engine_side", lambda *a, **k: (dataclasses.replace(engine), res))
+    monkeypatch.setattr(lg, "agent_paired", lambda c, cand, srv: ([1.0, 0.0, 1.0], [0.0, 0.0, 1.0], 1.0))
+    g = lg.gate(cfg, tiny_base.path, None, tiny_base.path, seqs, tmp_path, tmp_path / "gate", eval_seed="gate-0-1",
+                best=0.9, ope_seqs=lg.heldout(cfg, gate_dataset.path, 512))
+    r = g.report
+    assert r.passed, r.reasons  # OPE decides (itself against itself), the floor of 0.9 is the built-in task's
+    assert r.success["source"] == "ope" and r.eval["success_delta"] == pytest.approx(1 / 3)
+    assert r.eval["candidate_success"] == pytest.approx(2 / 3) and r.eval["source"].endswith("eval split")
+    assert "success 66.7% vs 33.3%" in r.summary_line()
