@@ -28,6 +28,15 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
+HERMES_CALLS = """{% if m.content %}{{ m.content }}{% endif %}\
+{%- for tc in (m.tool_calls or []) %}{% set f = tc.function if tc.function is defined else tc %}\
+{%- if loop.index0 > 0 or m.content %}
+{% endif %}<tool_call>
+{"name": "{{ f.name }}", "arguments": {{ f.arguments if f.arguments is string else (f.arguments | tojson) }}}
+</tool_call>\
+{%- endfor %}<|im_end|>
+"""  # an assistant turn's content and tool calls, Hermes markup, to its <|im_end|>
+
 CHAT_TEMPLATE = """\
 {%- if messages[0].role == 'system' %}{% set system = messages[0].content %}{% set rest = messages[1:] %}\
 {%- else %}{% set system = 'You are a helpful assistant.' %}{% set rest = messages %}{% endif %}\
@@ -40,14 +49,7 @@ CHAT_TEMPLATE = """\
 {%- if m.role == 'user' %}<|im_start|>user
 {{ m.content }}<|im_end|>
 {% elif m.role == 'assistant' %}<|im_start|>assistant
-{% if m.content %}{{ m.content }}{% endif %}\
-{%- for tc in (m.tool_calls or []) %}{% set f = tc.function if tc.function is defined else tc %}\
-{%- if loop.index0 > 0 or m.content %}
-{% endif %}<tool_call>
-{"name": "{{ f.name }}", "arguments": {{ f.arguments if f.arguments is string else (f.arguments | tojson) }}}
-</tool_call>\
-{%- endfor %}<|im_end|>
-{% elif m.role == 'tool' %}<|im_start|>user
+""" + HERMES_CALLS + """{% elif m.role == 'tool' %}<|im_start|>user
 <tool_response>
 {{ m.content }}
 </tool_response><|im_end|>
@@ -88,14 +90,7 @@ For each function call, return a json object with function name and arguments wi
 {{ (m.reasoning_content or '') | trim }}
 </think>
 
-{% endif %}{% if m.content %}{{ m.content }}{% endif %}\
-{%- for tc in (m.tool_calls or []) %}{% set f = tc.function if tc.function is defined else tc %}\
-{%- if loop.index0 > 0 or m.content %}
-{% endif %}<tool_call>
-{"name": "{{ f.name }}", "arguments": {{ f.arguments if f.arguments is string else (f.arguments | tojson) }}}
-</tool_call>\
-{%- endfor %}<|im_end|>
-{% elif m.role == 'tool' %}{% if loop.first or rest[loop.index0 - 1].role != 'tool' %}<|im_start|>user{{ '\\n' }}{% endif %}\
+{% endif %}""" + HERMES_CALLS + """{% elif m.role == 'tool' %}{% if loop.first or rest[loop.index0 - 1].role != 'tool' %}<|im_start|>user{{ '\\n' }}{% endif %}\
 <tool_response>
 {{ m.content }}
 </tool_response>{% if loop.last or rest[loop.index0 + 1].role != 'tool' %}<|im_end|>
