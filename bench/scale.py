@@ -262,6 +262,8 @@ def main() -> None:
         dataset_row["dataset_build"]["episodes"] = m.kept_episodes
         for size in a.sizes:
             rows.append(one_size(size, a, Path(d)))
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)  # what is measured so far, size by size
+            Path(a.out).write_text(json.dumps({"sizes": dict(zip(a.sizes, rows)), **dataset_row}, indent=2) + "\n")
     phases = ["quantize", "serve_start_auto", "swap_auto", "serve_start", "swap_in_place", "gate_twins", "requantize",
               "train_step"]
     growth = {p: fit(rows, p) for p in phases}

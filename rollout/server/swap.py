@@ -93,7 +93,10 @@ class HotSwapper:
     def canary_ids(self) -> list[int]:
         if self._canary_ids is None:  # a conversation in the model's own chat format
             tok = self.engine.inner.get_tokenizer()
-            text = tok.apply_chat_template(CANARY_MESSAGES, add_generation_prompt=True, tokenize=False)
+            try:
+                text = tok.apply_chat_template(CANARY_MESSAGES, add_generation_prompt=True, tokenize=False)
+            except ValueError:  # a model with no chat template: the conversation as plain text
+                text = "\n".join(m["content"] for m in CANARY_MESSAGES)
             self._canary_ids = list(tok.encode(text, add_special_tokens=False))
         return self._canary_ids
 

@@ -25,7 +25,8 @@ class ScriptedEngine:
         self.logprobs, self.loaded, self.fail, self.calls = logprobs, loaded, set(), []
 
     def get_tokenizer(self):
-        return SimpleNamespace(encode=lambda text: list(range(1, 9)))
+        return SimpleNamespace(encode=lambda text, add_special_tokens=True: list(range(1, 9)),
+                               apply_chat_template=lambda messages, **kw: "".join(m["content"] for m in messages))
 
     async def collective_rpc(self, method, args=(), kwargs=None):
         name = method if isinstance(method, str) else method.__name__
@@ -255,3 +256,24 @@ def test_bytes_changed_while_loading_restore_the_old_weights(folders):
     with pytest.raises(SwapError, match="changed while it loaded") as e:
         asyncio.run(swapper.swap(new))
     assert e.value.restored and engine.weights.path == old and inner.loaded == old
+
+
+def test_the_canary_is_a_conversation_in_the_models_own_chat_format(folders, tiny_tokenizer):
+    """The canary prompt is rendered by the served model's chat template (a Llama's headers, not
+    ChatML); a model with no chat template gets the conversation as plain text."""
+    from rollout.server.swap import CANARY_MESSAGES
+
+    old, new = folders
+    swapper, _, inner = _swapper(old, new)
+    inner.get_tokenizer = lambda: tiny_tokenizer
+    rendered = tiny_tokenizer.apply_chat_template(CANARY_MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert rendered.startswith("<|im_start|>system") and swapper.canary_ids() == tiny_tokenizer.encode(
+        rendered, add_special_tokens=False)
+
+    def no_template(messages, **kw):
+        raise ValueError("Cannot use chat template functions because tokenizer.chat_template is not set")
+
+    swapper, _, inner = _swapper(old, new)
+    inner.get_tokenizer = lambda: SimpleNamespace(apply_chat_template=no_template,
+                                                  encode=lambda text, add_special_tokens=True: [ord(c) for c in text])
+    assert swapper.canary_ids() == [ord(c) for c in "\n".join(m["content"] for m in CANARY_MESSAGES)]
