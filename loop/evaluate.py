@@ -143,3 +143,18 @@ def agent_eval(cfg, model: str) -> dict:
     return {"model": str(model), "agent": cfg.task.agent, "num_problems": len(tasks), "success": sum(scored) / max(1, len(scored)),
             "outcomes": scored, "by_task": by_task, "abandoned": sum(e.status == "abandoned" for e in episodes),
             "pending": sum(e.status == "pending" for e in episodes), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def agent_paired(cfg, candidate: str, serving: str) -> tuple[list[float], list[float], float] | None:
+    """Your agent on `task.source`'s eval split through a server of the candidate, then of the
+    serving version: the per-task rewards of the tasks both scored (a reward that comes later leaves
+    its task out), and the seconds. None when the source has no eval split."""
+    from rollout.task_source import load_tasks
+
+    if not load_tasks(cfg.task.source, "eval"):
+        return None
+    t0 = time.perf_counter()
+    c, s = agent_eval(cfg, candidate)["by_task"], agent_eval(cfg, serving)["by_task"]
+    both = [(a, b) for a, b in zip(c, s) if a is not None and b is not None]
+    return [a for a, _ in both], [b for _, b in both], time.perf_counter() - t0
+

@@ -139,7 +139,7 @@ def engine_side(cfg, folder: str, seqs, vocab_size: int, run_dir: Path, paired: 
     the eval problems `eval_seed` draws; with `paired` (the serving folder), the serving version's
     outcomes on the very same problems, played after it in the same child (the paired test). With
     your agent (`task.agent`) the engine plays no built-in problems: log-probs only (agent_paired
-    plays your eval split)."""
+    plays your eval split: loop.evaluate.agent_paired)."""
     import torch
 
     from loop.evaluate import served_success
@@ -167,21 +167,6 @@ def engine_side(cfg, folder: str, seqs, vocab_size: int, run_dir: Path, paired: 
                       res["seconds"], outcomes, best, eval_seed), res
 
 
-def agent_paired(cfg, candidate: str, serving: str) -> tuple[list[float], list[float], float] | None:
-    """Your agent on `task.source`'s eval split through a server of the candidate, then of the
-    serving version: the per-task rewards of the tasks both scored (a reward that comes later leaves
-    its task out), and the seconds. None when the source has no eval split."""
-    from loop.evaluate import agent_eval
-    from rollout.task_source import load_tasks
-
-    if not load_tasks(cfg.task.source, "eval"):
-        return None
-    t0 = time.perf_counter()
-    c, s = agent_eval(cfg, candidate)["by_task"], agent_eval(cfg, serving)["by_task"]
-    both = [(a, b) for a, b in zip(c, s) if a is not None and b is not None]
-    return [a for a, _ in both], [b for _, b in both], time.perf_counter() - t0
-
-
 def gate_eval_seed(cfg, k: int | str) -> str:
     """The eval problems the gate of cycle `k` plays: fresh each cycle, never `task.seed`'s (which
     `loop eval` reports on, so the number a user reads was never selected on)."""
@@ -205,6 +190,7 @@ def gate(cfg, candidate: str, fp: str | None, serving: str, seqs, run_dir: Path,
     served log-probs and, with `paired`, the paired success test against `serving` on the eval
     problems `eval_seed` draws, with `best` (the best success a version served so far) as a
     floor; with `ope_seqs` (held-out logged episodes) the OPE estimate beside it. Returns the KLGate."""
+    from loop import evaluate
     from rollout.capabilities import detect, serving_format
     from rollout.server.tracing import quant_format, stack_fingerprint
     from pipelines.validate import KLGate, write_report
@@ -220,7 +206,7 @@ def gate(cfg, candidate: str, fp: str | None, serving: str, seqs, run_dir: Path,
         try:
             engine, _ = engine_side(cfg, candidate, seqs, vocab, run_dir, serving if paired and not agent else None,
                                     eval_seed, None if agent else best)
-            played = agent_paired(cfg, candidate, serving) if agent and paired else None
+            played = evaluate.agent_paired(cfg, candidate, serving) if agent and paired else None
         except RuntimeError as e:  # the engine (or the serving version's evaluation) died: not a pass
             report.passed, report.stage = False, "engine"
             report.reasons.append(f"engine stage failed: {str(e)[-600:]}")

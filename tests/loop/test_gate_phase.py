@@ -102,10 +102,12 @@ def test_your_agents_candidates_are_gated_on_your_tasks_not_the_calculator(tiny_
     engine, res = lg.engine_side(cfg, tiny_base.path, seqs, 512, tmp_path, tiny_base.path, "gate-0-1", best=0.9)
     assert engine.success is None and engine.paired is None and engine.num_problems == 0 and "T=1.0" not in res
     assert engine.logprobs.shape[0] == sum(sum(m[1:]) for m in seqs.sampled)  # the engine stage's log-probs
-    assert lg.agent_paired(cfg, "cand", "srv")[:2] == ([1.0, 0.0, 1.0], [0.0, 0.0, 1.0]) and played == ["cand", "srv"]
+    from loop.evaluate import agent_paired
+
+    assert agent_paired(cfg, "cand", "srv")[:2] == ([1.0, 0.0, 1.0], [0.0, 0.0, 1.0]) and played == ["cand", "srv"]
 
     monkeypatch.setattr(lg, "engine_side", lambda *a, **k: (dataclasses.replace(engine), res))
-    monkeypatch.setattr(lg, "agent_paired", lambda c, cand, srv: ([1.0, 0.0, 1.0], [0.0, 0.0, 1.0], 1.0))
+    monkeypatch.setattr("loop.evaluate.agent_paired", lambda c, cand, srv: ([1.0, 0.0, 1.0], [0.0, 0.0, 1.0], 1.0))
     g = lg.gate(cfg, tiny_base.path, None, tiny_base.path, seqs, tmp_path, tmp_path / "gate", eval_seed="gate-0-1",
                 best=0.9, ope_seqs=lg.heldout(cfg, gate_dataset.path, 512))
     r = g.report
