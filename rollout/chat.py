@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import cached_property
 
 SENTINEL = "QQSENTINELQQ"
-_CACHE: dict[tuple[int, str | None], tuple[object, "ChatFormat"]] = {}
+_CACHE: dict[tuple, tuple[object, "ChatFormat"]] = {}
 
 
 class TemplateError(ValueError):
@@ -80,7 +81,7 @@ class ChatFormat:
             from rollout.task import TOOLS
 
             tools = TOOLS
-        key = (id(tokenizer), parser)
+        key = (id(tokenizer), parser, id(tools))
         hit = _CACHE.get(key)
         if hit is not None and hit[0] is tokenizer:
             return hit[1]
@@ -105,7 +106,7 @@ class ChatFormat:
     def prompt(self, messages: list[dict]) -> list[int]:
         return self.ids(self.render(messages, True))
 
-    @property
+    @cached_property
     def eot(self) -> str:
         return self.tokenizer.decode([self.tokenizer.eos_token_id], skip_special_tokens=False)
 
