@@ -254,7 +254,7 @@ def main() -> None:
     ap.add_argument("--traffic", type=int, default=400, help="train problems of target traffic to distill on")
     ap.add_argument("--draft-steps", type=int, default=300)
     ap.add_argument("--target-steps", type=int, default=20)
-    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    ap.add_argument("--k", type=int, default=2, help="num_speculative_tokens (the loop's default, speculator.num_speculative_tokens)")
     ap.add_argument("--worker")
     a = ap.parse_args()
     if a.worker:
