@@ -1,7 +1,8 @@
 """Which weights a cycle trains: what serves, or the learner the gate turned away for want of proof.
 
     parent = train_parent(cfg, state, served_fp)         # the next train phase's starting weights
-    state.learner = next_learner(cfg, verdict, ckpt, served_fp, outcome)   # after promote
+    state.learner = next_learner(cfg, k, verdict.summary, verdict.passed, verdict.reasons,
+                                 ckpt.path, served_fp, outcome)       # after promote
 
 The gate decides what serves; it need not decide what keeps learning. With `loop.train_from:
 learner` a candidate rejected only by the success test, and measured no worse than serving by more
