@@ -8,8 +8,9 @@
 A cycle trains the full-precision weights of what the server serves now (or, with `loop.train_from:
 learner`, a candidate rejected for want of proof: loop/learner.py) on traffic collected from it,
 and promotes the result only through the KL gate; the next cycle collects from whatever serves then,
-traced under its own weight version. Every phase's output is written to the state file as it finishes, so a rerun of the same command skips it. MLflow: one parent run per `loop run`, one
-nested run per cycle holding every phase's metrics, tags and artifacts.
+traced under its own weight version. Every phase's output is written to the state file as it
+finishes, so a rerun of the same command skips it. MLflow: one parent run per `loop run`, one nested
+run per cycle holding every phase's metrics, tags and artifacts.
 """
 
 from __future__ import annotations
