@@ -66,7 +66,7 @@ def main() -> None:
     from rollout.engine import make_llm, vllm_generate
     from rollout.episode import run_episodes
     from rollout.server.process import ServerProcess
-    from rollout.task import make_problems
+    from rollout.tasks.calculator import TASK, make_problems
     from rollout.traces import read_traces
 
     cfg = load_config(args.config, [f"bootstrap.cache_dir={args.cache_dir}", *args.overrides])
@@ -78,14 +78,14 @@ def main() -> None:
     def through_server(data: Path, overrides: list[str], label: str):
         with ServerProcess(args.config, base.path, data, work / f"server-{label}.log", overrides) as srv:
             warm = CollectorConfig(base_url=srv.url, group_size=1, progress=False, max_tokens=args.max_tokens)
-            collect_sync(problems[:8], tok, warm)
+            collect_sync(problems[:8], tok, warm, TASK)
             # the client runs where the server's front end does (with cpu_front_end=reserved)
             reserved = cfg.engine.reserves_front_end()
             with cpu_placement.beside_front_end(srv.proc.pid) if reserved else nullcontext() as cpus:
                 print(f"[{label}] client on CPUs {cpus or 'any'}")
                 rounds = [collect_sync(problems, tok, CollectorConfig(  # a fresh run_id (episode ids) per round
                     base_url=srv.url, group_size=args.group, concurrency=args.concurrency, max_tokens=args.max_tokens,
-                    progress=False)) for _ in range(args.rounds)]
+                    progress=False), TASK) for _ in range(args.rounds)]
             results, stats = sorted(rounds, key=lambda r: r[1].episodes_per_s)[len(rounds) // 2]
             srv.flush()
         traces = read_traces(data, columns=["episode_id"]).num_rows
@@ -106,12 +106,12 @@ def main() -> None:
         gen = vllm_generate(llm)
         if cfg.engine.reserves_front_end():  # the offline engine's front end is this process: where the client ran
             print(f"[engine]  this process on CPUs {cpu_placement.pin_front_end(os.getpid())}")
-        run_episodes(problems[:8], tok, gen, temperature=1.0, max_tokens=args.max_tokens)  # warm-up
+        run_episodes(problems[:8], tok, gen, task=TASK, temperature=1.0, max_tokens=args.max_tokens)  # warm-up
         batch = [p for p in problems for _ in range(args.group)]
         bare = []
         for _ in range(args.rounds):
             t = time.perf_counter()
-            eps = run_episodes(batch, tok, gen, temperature=1.0, max_tokens=args.max_tokens)
+            eps = run_episodes(batch, tok, gen, task=TASK, temperature=1.0, max_tokens=args.max_tokens)
             bare.append((time.perf_counter() - t, eps))
         print("[engine]  rounds: " + ", ".join(f"{n / dt:.1f}" for dt, _ in bare) + " episodes/s")
         dt, eps = sorted(bare, key=lambda r: r[0])[len(bare) // 2]

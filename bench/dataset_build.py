@@ -26,8 +26,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipelines.traces_to_dataset import DatasetConfig, build_dataset
-from rollout.episode import after_turn, prompt_ids
-from rollout.task import calculator, demonstration, make_problems
+from rollout.chat import ChatFormat
+from rollout.episode import after_turn
+from rollout.tasks.calculator import TASK, calculator, demonstration, make_problems
 from rollout.traces.schema import FEEDBACK_SCHEMA, SAMPLING_TYPE, STACK_TYPE, TRACE_SCHEMA
 
 DATES = ("2026-12-01", "2026-12-02")
@@ -39,11 +40,11 @@ def _episode_tokens(tok, n_problems: int):
     out = []
     for p in make_problems("train", n_problems, seed=11):
         demo = demonstration(p)
-        p0 = prompt_ids(tok, p.messages())
+        p0 = ChatFormat.of(tok, TASK.tools).prompt(p.messages())
         call = demo[2]["tool_calls"][0]["function"]
         c0 = tok.encode(f'<tool_call>\n{{"name": "calculator", "arguments": {call["arguments"]}}}\n</tool_call>'
                         "<|im_end|>", add_special_tokens=False)
-        p1 = p0 + c0 + after_turn(tok, demo[:3], calculator(p.expression))[1]
+        p1 = p0 + c0 + after_turn(ChatFormat.of(tok, TASK.tools), demo[:3], [demo[3]])[1]
         c1 = tok.encode(f"Answer: {p.answer}<|im_end|>", add_special_tokens=False)
         out.append((p0, c0, p1, c1))
     return out

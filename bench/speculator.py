@@ -96,7 +96,7 @@ def build_target(base: str, steps: int, seed: int) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rollout.chat import encode_demo
-    from rollout.task import TOOLS, demonstration, make_problems
+    from rollout.tasks.calculator import TASK, TOOLS, demonstration, make_problems
     from trainers.bootstrap.sft import SFTConfig, sft
 
     key = f"{Path(base).name}-L{TARGET_SHAPE['num_hidden_layers']}-F{TARGET_SHAPE['intermediate_size']}-s{steps}"
@@ -180,7 +180,7 @@ def worker(job: dict) -> dict:
     from loop.config import load_config
     from rollout.engine import make_llm, vllm_generate
     from rollout.episode import run_episodes
-    from rollout.task import make_problems
+    from rollout.tasks.calculator import TASK, make_problems
 
     cfg = load_config(REPO / "conf" / "agent_rl.yaml", [])
     extra = {"disable_log_stats": False}
@@ -191,18 +191,18 @@ def worker(job: dict) -> dict:
     gen = vllm_generate(llm)
     if job["mode"] == "traffic":
         problems = make_problems("train", job["n"], seed=job["seed"])
-        episodes = run_episodes(problems, tok, gen, temperature=1.0)
+        episodes = run_episodes(problems, tok, gen, task=TASK, temperature=1.0)
         write_traffic(Path(job["traces"]), episodes)
         return {"episodes": len(episodes)}
     out = {}
     problems = make_problems("eval", job["n"], seed=job["seed"])
-    run_episodes(problems[:2], tok, gen, temperature=0.0)  # warm-up
+    run_episodes(problems[:2], tok, gen, task=TASK, temperature=0.0)  # warm-up
     for t in job["temperatures"]:
         for b in job["batches"]:
             d0, a0 = spec_counts(llm)
             t0 = time.perf_counter()
             eps = [e for i in range(0, len(problems), b)
-                   for e in run_episodes(problems[i:i + b], tok, gen, temperature=t)]
+                   for e in run_episodes(problems[i:i + b], tok, gen, task=TASK, temperature=t)]
             sec = time.perf_counter() - t0
             d1, a1 = spec_counts(llm)
             tokens = sum(len(turn.completion.token_ids) for e in eps for turn in e.turns)

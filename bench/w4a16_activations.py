@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 def sequences(folder: str, n: int = 32) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from rollout.task import demonstration, make_problems
+    from rollout.tasks.calculator import demonstration, make_problems
 
     tok = AutoTokenizer.from_pretrained(folder)
     out = []

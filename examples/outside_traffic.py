@@ -39,7 +39,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from rollout.collector import CollectorConfig, collect
-    from rollout.task import make_problems
+    from rollout.tasks.calculator import TASK, make_problems
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", required=True)
@@ -55,7 +55,7 @@ def main() -> None:
         problems = make_problems("train", a.per_round, seed=a.seed + k)
         cfg = CollectorConfig(base_url=a.url, group_size=1, post_feedback=False, concurrency=32, progress=False)
         try:
-            results, _ = asyncio.run(collect(problems, tok, cfg))
+            results, _ = asyncio.run(collect(problems, tok, cfg, TASK))
             n = asyncio.run(post_ratings(a.url, results))
         except Exception as e:  # the endpoint restarting or swapping: try the next round
             print(f"[traffic] round {k}: {type(e).__name__}: {e}", flush=True)

@@ -24,16 +24,20 @@ from trainers.bootstrap.sft import SFTConfig
 
 @dataclass
 class TaskConfig:
+    # the task the loop's own collector plays, scores, evaluates and bootstraps from (rollout/tasks):
+    # calculator | sql | "package.module:attribute" (an object shaped as rollout.tasks.Task)
+    name: str = "calculator"
     seed: int = 0
     num_eval_problems: int = 200  # the eval split used for base success (and later, RL evals)
     # Your agent on your tasks (rollout/agents.py): "module:function" or "file.py:function", an async
     # function (task: dict, client) -> reward | None; the collector plays source's train split through
-    # it. None: the built-in calculator collector. With an agent the gate decides by OPE on the logged
+    # it. None: the loop's collector plays `name`. With an agent the gate decides by OPE on the logged
     # held-out episodes (validate.success_source auto).
     agent: str | None = None
     source: str | None = None  # tasks: a folder of train/eval .jsonl|.parquet, a saved DatasetDict, or one file
 
     def __post_init__(self):
+        self.load()  # an unknown task fails here, naming task.name
         if self.num_eval_problems <= 0:
             raise ValueError(f"num_eval_problems must be positive, got {self.num_eval_problems}")
         if (self.agent is None) != (self.source is None):
@@ -45,6 +49,12 @@ class TaskConfig:
             load_agent(self.agent)
             if not load_tasks(self.source, "train"):
                 raise ValueError(f"source {self.source}: the train split holds no task")
+
+    def load(self):
+        """The task object `name` names (rollout.tasks.load_task)."""
+        from rollout.tasks import load_task
+
+        return load_task(self.name)
 
 
 @dataclass
@@ -86,8 +96,11 @@ def cache_key(cfg: BootstrapConfig, task: TaskConfig) -> str:
     model = asdict(cfg.model)
     if model["family"] == "qwen2":  # the bases built before families existed keep their keys
         del model["family"]
-    blob = json.dumps({"model": model, "sft": asdict(cfg.sft), "task_seed": task.seed,
-                       "corpus": cfg.tokenizer_corpus_problems, "format": 1}, sort_keys=True)
+    key = {"model": model, "sft": asdict(cfg.sft), "task_seed": task.seed,
+           "corpus": cfg.tokenizer_corpus_problems, "format": 1}
+    if task.name != "calculator":  # and those built before tasks had names
+        key["task"] = task.name
+    blob = json.dumps(key, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -115,29 +128,30 @@ def bootstrap(cfg: BootstrapConfig, task: TaskConfig, log=lambda step, metrics: 
 
     from rollout.chat import encode_demo
     from rollout.episode import hf_generate, run_episodes, success_rate
-    from rollout.task import TOOLS, demonstration, make_problems
     from trainers.bootstrap.model import build_model
     from trainers.bootstrap.sft import sft
     from trainers.bootstrap.tokenizer import render_texts, save_hf_tokenizer, train_tokenizer
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    train = make_problems("train", max(cfg.sft.num_train_problems, cfg.tokenizer_corpus_problems), task.seed)
-    evals = make_problems("eval", cfg.sft.eval_problems, task.seed + 1)  # SFT's early-stop slice
+    world = task.load()
+    train = world.problems("train", max(cfg.sft.num_train_problems, cfg.tokenizer_corpus_problems), task.seed)
+    evals = world.problems("eval", cfg.sft.eval_problems, task.seed + 1)  # SFT's early-stop slice
     tmp = folder.with_name(folder.name + f".tmp-{time.time_ns()}")
     tmp.mkdir(parents=True)
     try:
         family = cfg.model.family
-        texts = render_texts([demonstration(p) for p in train[: cfg.tokenizer_corpus_problems]], TOOLS, family)
+        texts = render_texts([world.demonstration(p) for p in train[: cfg.tokenizer_corpus_problems]], world.tools,
+                             family)
         tok = train_tokenizer(texts, cfg.model.vocab_size, family)
         tokenizer = save_hf_tokenizer(tok, tmp, cfg.model.max_position_embeddings, family)
         model = build_model(cfg.model, tokenizer, seed=cfg.sft.seed)
 
         def evaluate(m) -> float:  # the task's sampled success: what SFT stops on
-            return success_rate(run_episodes(evals, tokenizer, hf_generate(m, tokenizer),
+            return success_rate(run_episodes(evals, tokenizer, hf_generate(m, tokenizer), task=world,
                                              temperature=cfg.sft.eval_temperature))
 
-        demos = [demonstration(p) for p in train[: cfg.sft.num_train_problems]]
-        encoded = [encode_demo(tokenizer, d, TOOLS) for d in demos]  # in the model's own chat format
+        demos = [world.demonstration(p) for p in train[: cfg.sft.num_train_problems]]
+        encoded = [encode_demo(tokenizer, d, world.tools) for d in demos]  # in the model's own chat format
         result = sft(model, tokenizer, cfg.sft, encoded, evaluate, log=log)
         model.save_pretrained(str(tmp), safe_serialization=True)
         manifest = BaseModelManifest(

@@ -2,7 +2,7 @@
 
     collect:       `collect.source: collector`: through the cycle's endpoint (`loop serve` in a
                    child process, or `collect.endpoint`), play `num_problems` x
-                   `rollout.group_size` calculator episodes over HTTP (rollout/collector.py); the
+                   `rollout.group_size` episodes of `task.name` over HTTP (rollout/collector.py); the
                    server traces every request and the rewards arrive as feedback.
                    `collect.source: traffic`: play nothing; wait until `min_episodes` episodes
                    that the serving version served since the last cycle's window have a reward or
@@ -82,14 +82,14 @@ class DatasetPhaseConfig:
     rating_range: tuple[int, int] = (-1, 1)  # a rating r counts as reward (r - lo) / (hi - lo); stars: [1, 5]
 
     def __post_init__(self):
-        self.dataset(Path("."), Path("."), "checked", "raw_logprobs")  # DatasetConfig's checks, at load time
+        self.dataset(Path("."), Path("."), "checked", "raw_logprobs", "calculator")  # DatasetConfig's checks, at load
 
-    def dataset(self, trace_root: Path, out_dir: Path, tokenizer: str, logprobs_mode: str,
+    def dataset(self, trace_root: Path, out_dir: Path, tokenizer: str, logprobs_mode: str, task: str,
                 dates: tuple[str, ...] | None = None, weight_versions: tuple[int, ...] | None = None,
                 since: str | None = None, until: str | None = None):
         from pipelines.traces_to_dataset import DatasetConfig
 
-        return DatasetConfig(trace_root=trace_root, out_dir=out_dir, tokenizer=tokenizer, dates=dates,
+        return DatasetConfig(trace_root=trace_root, out_dir=out_dir, tokenizer=tokenizer, task=task, dates=dates,
                              weight_versions=weight_versions, since=since, until=until,
                              heldout_fraction=self.heldout_fraction,
                              heldout_unit=self.heldout_unit, min_heldout=self.min_heldout, seed=self.seed, reward_fn=self.reward_fn,
@@ -165,10 +165,8 @@ def collect_phase(cfg, ep: Endpoint, tokenizer_path: str | Path, problem_seed: i
 
     from rollout.collector import collect_sync
     from rollout.cpu_placement import beside_front_end
-    from rollout.task import make_problems
-
-    c = cfg.collect
-    problems = make_problems("train", c.num_problems, seed=c.problem_seed if problem_seed is None else problem_seed)
+    c, task = cfg.collect, cfg.task.load()
+    problems = task.problems("train", c.num_problems, seed=c.problem_seed if problem_seed is None else problem_seed)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
     started = datetime.now(timezone.utc)
     first_date = started.date().isoformat()
@@ -176,7 +174,7 @@ def collect_phase(cfg, ep: Endpoint, tokenizer_path: str | Path, problem_seed: i
     # as the server's client, this process runs on its front-end cores, off the worker's
     near = ep.process is not None and cfg.engine.reserves_front_end()
     with beside_front_end(ep.process.proc.pid) if near else nullcontext():
-        results, stats = collect_sync(problems, tokenizer, ccfg)
+        results, stats = collect_sync(problems, tokenizer, ccfg, task)
     _flush(ep.url, ep.admin_token)
     ok = [r for r in results if r.status == "ok"]
     groups = [0] * len(problems)
@@ -239,7 +237,7 @@ def traffic_phase(cfg, ep: Endpoint, tokenizer: str, weight_version: int, since:
         _flush(ep.url, ep.admin_token)
         until = datetime.now(timezone.utc).isoformat()
         window = cfg.dataset.dataset(Path(cfg.serve.trace_root), Path("."), tokenizer, cfg.serve.logprobs_mode,
-                                     weight_versions=(weight_version,), since=since, until=until)
+                                     cfg.task.name, weight_versions=(weight_version,), since=since, until=until)
         found = rewarded_episodes(window)
         waited = time.monotonic() - t0
         if len(found) >= c.min_episodes:
@@ -281,7 +279,7 @@ def dataset_phase(cfg, collected: CollectManifest, tokenizer: str, run_dir: Path
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = run_dir / "datasets" / f"{stamp}-{collected.run_id}"
     return build_dataset(cfg.dataset.dataset(Path(collected.trace_root), out, tokenizer, cfg.serve.logprobs_mode,
-                                             dates=collected.dates or None,
+                                             cfg.task.name, dates=collected.dates or None,
                                              weight_versions=collected.weight_versions or None,
                                              since=collected.started_at or None, until=collected.until))
 

@@ -100,7 +100,7 @@ class LoopConfig:
 
     def use_base_model(self) -> None:
         """base.model stands in for the bootstrap; its template must name a tool parser the
-        calculator's tool calls can be read with (serve.tool_call_parser)."""
+        task's tool calls can be read with (serve.tool_call_parser)."""
         from rollout.server.config import resolve_tool_parser
 
         if self.bootstrap.model.path not in (None, self.base.model):
@@ -108,8 +108,8 @@ class LoopConfig:
                              "differ: set base.model only")
         parser = resolve_tool_parser(self.serve, self.base.model)
         if parser is None and self.task.agent is None:
-            raise ValueError("serve.tool_call_parser none: the calculator task calls a tool, so the model must "
-                             "serve tool calls")
+            raise ValueError(f"serve.tool_call_parser none: the {self.task.name} task calls tools, so the model "
+                             "must serve tool calls")
         self.bootstrap.model.path = self.base.model
 
     @property

@@ -240,7 +240,7 @@ def show_episodes(cfg, tokenizer: str, dataset: str, episode_kl: dict, k: int) -
     run = mlflow.active_run()
     try:
         ids = log_episodes(cfg.serve.trace_root, tokenizer, dataset, episode_kl, k, run.info.run_id,
-                           run.info.experiment_id)
+                           run.info.experiment_id, cfg.task.load().tools)
     except Exception as e:  # noqa: BLE001 (MLflow's tracing raises its own kinds)
         print(f"[loop] episodes not logged as MLflow traces: {type(e).__name__}: {e}", flush=True)
         return

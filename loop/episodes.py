@@ -2,7 +2,7 @@
 
 Per GRPO group the gate scored, the best and the worst episode (by reward) become one MLflow
 trace each: the episode as the root span (AGENT), each turn a child (LLM: the new prompt tokens
-in, the completion out, timed as served), the calculator call a TOOL span (its arguments in, the
+in, the completion out, timed as served), each tool call a TOOL span (its arguments in, the
 result the environment inserted out). The group is the trace's session; the reward and the
 gate's per-episode KL (candidate against the serving version) are assessments on it. So the UI's
 Traces view shows what the agent did with each checkpoint, next to the cycle's run.
@@ -44,7 +44,7 @@ def _ns(ts) -> int:
 
 
 def log_episodes(trace_root: str, tokenizer: str, dataset: str, episode_kl: dict, cycle: int,
-                 run_id: str, experiment_id: str) -> list[str]:
+                 run_id: str, experiment_id: str, tools: list[dict] | None) -> list[str]:
     """Log the sample as MLflow traces (with assessments); their trace ids."""
     import mlflow
     import pyarrow as pa
@@ -58,7 +58,7 @@ def log_episodes(trace_root: str, tokenizer: str, dataset: str, episode_kl: dict
     if not episodes:
         return []
     tok = AutoTokenizer.from_pretrained(tokenizer)
-    chat = ChatFormat.of(tok)  # the model's own chat format reads the turns back
+    chat = ChatFormat.of(tok, tools)  # the model's own chat format reads the turns back
 
     def decode(ids):
         return tok.decode(ids, skip_special_tokens=False)

@@ -23,10 +23,11 @@ def eval_outcomes(llm, tokenizer, task, temperature: float, seed: int | str | No
     with `seed`, default `task.seed`), in problem order."""
     from rollout.engine import vllm_generate
     from rollout.episode import run_episodes
-    from rollout.task import make_problems
 
-    problems = make_problems("eval", task.num_eval_problems, task.seed if seed is None else seed)
-    return [float(e.reward) for e in run_episodes(problems, tokenizer, vllm_generate(llm), temperature=temperature)]
+    world = task.load()
+    problems = world.problems("eval", task.num_eval_problems, task.seed if seed is None else seed)
+    return [float(e.reward) for e in run_episodes(problems, tokenizer, vllm_generate(llm), task=world,
+                                                  temperature=temperature)]
 
 
 def eval_success(llm, tokenizer, task, temperature: float, seed: int | str | None = None) -> float:

@@ -2,8 +2,9 @@
 
 A reward function takes an `EpisodeRecord` (what the trace store knows about one episode: its
 exact tokens, their decoding as OpenAI messages, and the feedback rows joined to it) and returns
-a float, or None when it cannot judge the episode. It never sees a side table of answers: the
-demo task's `task_reward` recovers the problem from the user message (`problem_from_question`).
+a float, or None when it cannot judge the episode. It never sees a side table of answers:
+`task_reward` has the episode's task (rollout.tasks) recover the problem from the user message
+(`Task.problem_of`) and score the episode by the task's exact reward.
 
 Feedback (user ratings, environment rewards posted to `/v1/feedback`) combines with the
 function's value by `FeedbackMode`:
@@ -26,7 +27,6 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Literal
 
-from rollout.task import Problem, parse_calculator_call, problem_from_question, reward as task_exact_reward
 from rollout.traces import Feedback
 
 FeedbackMode = Literal["ignore", "override", "mean"]
@@ -50,6 +50,7 @@ class EpisodeRecord:
     feedback: tuple[Feedback, ...] = ()  # oldest first
     rating_range: tuple[int, int] = (-1, 1)  # a rating's (lo, hi): it counts as (rating - lo) / (hi - lo)
     chat: object = field(default=None, repr=False)  # rollout.chat.ChatFormat: reads `text` back into messages
+    task: object = field(default=None, repr=False)  # rollout.tasks.Task the episode was played on (task_reward's)
 
     @cached_property
     def text(self) -> str:
@@ -90,36 +91,39 @@ def rating_reward(f: Feedback, rating_range: tuple[int, int] = (-1, 1)) -> float
 RewardFn = Callable[[EpisodeRecord], "float | None"]
 
 
-# GRPO samples each question G times: parse it once (Problem is frozen, so sharing is safe)
-_problem_of = lru_cache(maxsize=1 << 16)(problem_from_question)
+@lru_cache(maxsize=1 << 16)  # GRPO samples each question G times: recover it once (problems are frozen)
+def _problem_of(task, question: str):
+    return task.problem_of(question)
 
 
-def episode_problem(ep: EpisodeRecord) -> Problem | None:
-    """The demo-task problem of an episode, from its first user message (None if none matches)."""
+def episode_problem(ep: EpisodeRecord):
+    """The problem of an episode's task, from its first user message (None if it is none of the
+    task's)."""
+    if ep.task is None:
+        raise ValueError("task_reward needs the episode's task (EpisodeRecord.task, the dataset's `task`)")
     user = next((m for m in ep.messages if m["role"] == "user"), None)
-    return _problem_of(user["content"]) if user else None
+    return _problem_of(ep.task, user["content"]) if user else None
 
 
 def task_reward(ep: EpisodeRecord) -> float | None:
-    """The demo task's exact-answer reward; None when the question is no task problem.
-
-    1.0 iff one well-formed calculator call and then the correct answer (`rollout.task.reward`).
-    """
+    """The task's exact reward (`Task.reward`: the calculator's is 1.0 iff one well-formed
+    calculator call and then the correct answer); None when the question is no task problem."""
     problem = episode_problem(ep)
     if problem is None:
         return None
-    return task_exact_reward(problem, ep.messages)
+    return ep.task.reward(problem, ep.messages)
 
 
 def shaped_task_reward(ep: EpisodeRecord) -> float | None:
-    """`task_reward`, with 0.2 of partial credit for a well-formed calculator call whose answer is
-    wrong: a base model that rarely answers right (below ~5% success nearly every GRPO group is
-    all zeros) still gets groups with signal, on the format it must learn first."""
+    """`task_reward`, with 0.2 of partial credit where the task grants it (`Task.partial_credit`:
+    the calculator's, a well-formed calculator call whose answer is wrong): a base model that
+    rarely answers right (below ~5% success nearly every GRPO group is all zeros) still gets
+    groups with signal, on the format it must learn first."""
     exact = task_reward(ep)
     if exact is None or exact > 0:
         return exact
-    first = next((m for m in ep.messages if m["role"] == "assistant"), None)
-    return 0.2 if first is not None and parse_calculator_call(first.get("tool_calls")) is not None else 0.0
+    credit = getattr(ep.task, "partial_credit", None)
+    return 0.2 if credit is not None and credit(ep.messages) else 0.0
 
 
 def feedback_reward(ep: EpisodeRecord) -> float | None:

@@ -39,6 +39,7 @@ from pipelines.dataset.manifest import (DATASET_SCHEMA, DatasetConfig, RLDataset
 from rollout.artifacts import file_sha256
 from pipelines.rewards import EpisodeRecord, load_fn, score
 from rollout.chat import ChatFormat
+from rollout.tasks import load_task
 from rollout.traces import Feedback, read_feedback, read_traces
 from rollout.traces.feedback import ABANDONED
 
@@ -56,7 +57,8 @@ def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
     # the Rust tokenizer's decode: transformers' wrapper type-checks every id (~3x the cost)
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
     decode = partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=False)
-    chat = ChatFormat.of(tokenizer)
+    task = load_task(cfg.task)
+    chat = ChatFormat.of(tokenizer, task.tools)
     reward_fn = load_fn(cfg.reward_fn)
 
     table = window_traces(cfg, READ_COLUMNS)
@@ -93,7 +95,7 @@ def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
                 continue
             record = EpisodeRecord(key, tuple(ids[starts[e]:starts[e + 1]]),
                                    tokens.input_ids[tokens.offsets[k]:tokens.offsets[k + 1]].tolist(), decode,
-                                   tuple(fbs), cfg.rating_range, chat)
+                                   tuple(fbs), cfg.rating_range, chat, task)
             r = score(record, reward_fn, cfg.feedback_mode)
             if r is None:
                 bad[e] = "missing_reward"
@@ -127,7 +129,7 @@ def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
         weight_versions=tuple(sorted(v for v in kept_versions if v >= 0)), trainer_base_version=base,
         reward_fn=cfg.reward_fn, feedback_mode=cfg.feedback_mode, logprobs_mode=cfg.logprobs_mode,
         heldout_fraction=float(cfg.heldout_fraction), heldout_unit=cfg.heldout_unit, min_heldout=cfg.min_heldout,
-        seed=cfg.seed, files=files, rating_range=cfg.rating_range,
+        seed=cfg.seed, files=files, rating_range=cfg.rating_range, task=cfg.task,
         created_at=datetime.now(timezone.utc).isoformat(), build_seconds=round(time.perf_counter() - t0, 3),
     )
     save_manifest(manifest, tmp)

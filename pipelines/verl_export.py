@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
@@ -31,6 +31,7 @@ from pipelines.dataset.manifest import RLDatasetManifest
 from pipelines.rewards import EpisodeRecord, load_fn
 from rollout.artifacts import MANIFEST, file_sha256
 from rollout.chat import ChatFormat
+from rollout.tasks import load_task
 
 VERL_SCHEMA_VERSION = 1
 
@@ -55,13 +56,15 @@ SPLIT_FILES = {"train": "train.parquet", "heldout": "val.parquet"}
 class VerlExportConfig:
     out_dir: Path
     tokenizer: str  # decodes turn 0's prompt tokens into messages
-    data_source: str = "flywheel/calculator"
+    data_source: str | None = None  # verl's data_source column; None: "flywheel/<the dataset's task>"
     ability: str = "tool_use"
     ground_truth_fn: str = "pipelines.rewards:task_ground_truth"  # (EpisodeRecord) -> str | None
 
     def __post_init__(self):
         self.out_dir = Path(self.out_dir)
         for name in ("tokenizer", "data_source", "ability"):
+            if name == "data_source" and self.data_source is None:
+                continue
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty string")
         try:
@@ -96,14 +99,16 @@ def export_verl(dataset: RLDatasetManifest, cfg: VerlExportConfig) -> VerlExport
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
     decode = partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=False)
-    chat = ChatFormat.of(tokenizer)
+    task = load_task(dataset.task)
+    chat = ChatFormat.of(tokenizer, task.tools)
+    cfg = replace(cfg, data_source=cfg.data_source or f"flywheel/{task.name}")
     truth_fn = load_fn(cfg.ground_truth_fn)
     tmp = cfg.out_dir.with_name(f".{cfg.out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     rows, files = {}, {}
     for split, name in SPLIT_FILES.items():
-        table = _split_rows(dataset, split, cfg, decode, chat, truth_fn)
+        table = _split_rows(dataset, split, cfg, decode, chat, task, truth_fn)
         pq.write_table(table, tmp / name)
         rows[name], files[name] = table.num_rows, file_sha256(tmp / name)
     m = VerlExportManifest(path=str(cfg.out_dir), parent=dataset.path, rows=rows, files=files,
@@ -113,7 +118,8 @@ def export_verl(dataset: RLDatasetManifest, cfg: VerlExportConfig) -> VerlExport
     return m
 
 
-def _split_rows(dataset: RLDatasetManifest, split: str, cfg: VerlExportConfig, decode, chat, truth_fn) -> pa.Table:
+def _split_rows(dataset: RLDatasetManifest, split: str, cfg: VerlExportConfig, decode, chat, task, truth_fn
+                ) -> pa.Table:
     """One verl row per group of the split, in order of the group's first episode."""
     paths = dataset.files_of(split)
     cols = ["episode_id", "group_id", "trace_ids", "prompt_len", "input_ids", "reward"]
@@ -125,7 +131,7 @@ def _split_rows(dataset: RLDatasetManifest, split: str, cfg: VerlExportConfig, d
     for index, (gid, members) in enumerate(groups.items()):
         first = members[0]
         prompt_ids = first["input_ids"][:first["prompt_len"]]
-        record = EpisodeRecord(first["episode_id"], tuple(first["trace_ids"]), first["input_ids"], decode, chat=chat)
+        record = EpisodeRecord(first["episode_id"], tuple(first["trace_ids"]), first["input_ids"], decode, chat=chat, task=task)
         messages = EpisodeRecord(first["episode_id"], (), prompt_ids, decode, chat=chat).messages
         n = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
         prompt = [{"role": m["role"], "content": m["content"]} for m in messages[:n]]  # not the open header

@@ -1,6 +1,6 @@
 """An agent conversation on token ids, for any chat template and any tool-call format vLLM parses.
 
-    chat = ChatFormat.of(tokenizer)              # what this tokenizer's template and tool format do
+    chat = ChatFormat.of(tokenizer, task.tools)  # what this tokenizer's template and tool format do
     ids = chat.prompt(messages)                  # the conversation + the generation prompt, as ids
     msg = chat.parse(text)                       # a sampled turn -> an OpenAI assistant message
     ids += sampled + chat.after_turn(messages)   # messages end in [assistant, tool...]: the tool
@@ -74,13 +74,10 @@ class ChatFormat:
     _framing: dict | None = field(default=None, repr=False)
 
     @classmethod
-    def of(cls, tokenizer, tools: list[dict] | None = None, parser: str | None = None) -> "ChatFormat":
-        """The format of `tokenizer` (its own chat template), tool calls read by `parser` (None:
-        picked from the template). Cached per tokenizer."""
-        if tools is None:
-            from rollout.task import TOOLS
-
-            tools = TOOLS
+    def of(cls, tokenizer, tools: list[dict] | None, parser: str | None = None) -> "ChatFormat":
+        """The format of `tokenizer` (its own chat template) for a conversation offering `tools`
+        (a task's, rendered into every prompt; None: none), tool calls read by `parser` (None:
+        picked from the template). Cached per tokenizer and tools."""
         key = (id(tokenizer), parser, id(tools))
         hit = _CACHE.get(key)
         if hit is not None and hit[0] is tokenizer:

@@ -1,10 +1,11 @@
-"""The agent rollout collector: plays the demo task's episodes against the serving endpoint.
+"""The agent rollout collector: plays a task's episodes against the serving endpoint.
 
-    results, stats = collect(problems, tokenizer, CollectorConfig(base_url="http://127.0.0.1:8000"))
+    results, stats = collect(problems, tokenizer, CollectorConfig(base_url="http://127.0.0.1:8000"), task)
 
 Each problem is played `group_size` times (a GRPO group), each episode as in `rollout.episode`,
 but over HTTP: `POST /v1/completions` with token-id prompts, so turn k+1's prompt is exactly turn
-k's prompt + the sampled ids + the rendered tool result, and nothing is re-tokenized. Sampling is
+k's prompt + the sampled ids + the rendered tool results (from the episode's own
+environment, `task.env`), and nothing is re-tokenized. Sampling is
 top-p 1 and no top-k, so the logged logprobs are those of the sampling distribution. Every request
 carries `episode_id`/`turn`; the episodes' rewards go to `POST /v1/feedback` (each on its last
 turn's trace, with `episode_id`; one array per group, once the group has finished), so the trace
@@ -31,13 +32,14 @@ import json
 import random
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import aiohttp
 
-from rollout.episode import after_turn, agent_step, prompt_ids
-from rollout.task import Problem, reward
+from rollout.chat import ChatFormat
+from rollout.episode import after_turn, agent_step
+from rollout.tasks import Problem, Task
 from rollout.traces.feedback import ABANDONED
 
 RETRY_STATUS = (429, 500, 502, 503, 504)
@@ -49,15 +51,15 @@ class CollectorConfig:
     model: str = "flywheel"
     group_size: int = 8  # G samples per problem
     temperature: float = 1.0
-    max_tokens: int = 48
-    max_turns: int = 2
+    max_tokens: int | None = None  # per turn; None: the task's
+    max_turns: int | None = None  # None: the task's
     concurrency: int = 32  # episodes in flight
     episode_timeout_s: float = 120.0
     request_timeout_s: float = 60.0
     max_retries: int = 3  # per request
     retry_backoff_s: float = 0.2  # doubled per retry, with jitter; a 429's Retry-After wins
     post_feedback: bool = True
-    feedback_source: str = "env:calculator"
+    feedback_source: str | None = None  # None: the task's (e.g. "env:calculator")
     progress: bool = True
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # prefixes episode ids
 
@@ -67,6 +69,8 @@ class CollectorConfig:
             raise ValueError(f"base_url must be an http(s) URL, got {self.base_url!r}")
         for name in ("group_size", "max_tokens", "max_turns", "concurrency"):
             v = getattr(self, name)
+            if v is None and name in ("max_tokens", "max_turns"):
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) or self.max_retries < 0:
@@ -124,9 +128,9 @@ class RequestFailed(Exception):
     pass
 
 
-async def collect(problems: list[Problem], tokenizer, cfg: CollectorConfig,
+async def collect(problems: list[Problem], tokenizer, cfg: CollectorConfig, task: Task,
                   session: aiohttp.ClientSession | None = None) -> tuple[list[EpisodeResult], CollectStats]:
-    """Play `cfg.group_size` episodes of every problem; results are in (problem, sample) order.
+    """Play `cfg.group_size` episodes of every problem of `task`; results are in (problem, sample) order.
 
     The HTTP client is aiohttp: measured against the server, 0.25 ms of client CPU per request
     versus httpx's 1.0 ms, and on a small machine the client shares cores with the engine.
@@ -138,6 +142,9 @@ async def collect(problems: list[Problem], tokenizer, cfg: CollectorConfig,
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=cfg.concurrency),
                                         timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s))
     counters = {"requests": 0, "retries": 0}
+    chat = ChatFormat.of(tokenizer, task.tools)
+    cfg = replace(cfg, max_turns=cfg.max_turns or task.max_turns, max_tokens=cfg.max_tokens or task.max_tokens,
+                  feedback_source=cfg.feedback_source or task.feedback_source)
     sem = asyncio.Semaphore(cfg.concurrency)
     results = [EpisodeResult(f"{cfg.run_id}-{g}-{s}", g, p, p.messages())
                for g, p in enumerate(problems) for s in range(cfg.group_size)]
@@ -152,7 +159,7 @@ async def collect(problems: list[Problem], tokenizer, cfg: CollectorConfig,
     async def one(ep: EpisodeResult) -> None:
         async with sem:  # a slot per episode while it samples
             try:
-                await asyncio.wait_for(_play(ep, session, tokenizer, cfg, counters), cfg.episode_timeout_s)
+                await asyncio.wait_for(_play(ep, session, chat, task, cfg, counters), cfg.episode_timeout_s)
             except asyncio.TimeoutError:
                 ep.status, ep.error = "timeout", f"episode ran past {cfg.episode_timeout_s} s"
             except RequestFailed as e:
@@ -189,22 +196,25 @@ async def collect(problems: list[Problem], tokenizer, cfg: CollectorConfig,
     return results, stats
 
 
-def collect_sync(problems: list[Problem], tokenizer, cfg: CollectorConfig) -> tuple[list[EpisodeResult], CollectStats]:
-    return asyncio.run(collect(problems, tokenizer, cfg))
+def collect_sync(problems: list[Problem], tokenizer, cfg: CollectorConfig, task: Task
+                 ) -> tuple[list[EpisodeResult], CollectStats]:
+    return asyncio.run(collect(problems, tokenizer, cfg, task))
 
 
-async def _play(ep: EpisodeResult, client: aiohttp.ClientSession, tokenizer, cfg: CollectorConfig, counters) -> None:
-    prompt = prompt_ids(tokenizer, ep.problem.messages())
+async def _play(ep: EpisodeResult, client: aiohttp.ClientSession, chat: ChatFormat, task: Task, cfg: CollectorConfig,
+                counters) -> None:
+    prompt = chat.prompt(ep.problem.messages())
+    env = task.env(ep.problem)
     for turn in range(cfg.max_turns):
         t = await _complete(client, cfg, prompt, ep.episode_id, turn, counters)
         ep.turns.append(t)
-        msg, result = agent_step(tokenizer, t.token_ids, t.finish_reason)
+        msg, results = agent_step(chat, env, t.token_ids, t.finish_reason)
         ep.messages.append(msg)
-        if result is None:
+        if results is None:
             break
-        ep.messages, more = after_turn(tokenizer, ep.messages, result)
+        ep.messages, more = after_turn(chat, ep.messages, results)
         prompt = prompt + t.token_ids + more
-    ep.reward = reward(ep.problem, ep.messages)
+    ep.reward = task.reward(ep.problem, ep.messages)
 
 
 async def _complete(client: aiohttp.ClientSession, cfg: CollectorConfig, prompt: list[int], episode_id: str, turn: int,

@@ -12,12 +12,12 @@ offline vLLM engine, a transformers model and the HTTP endpoint all fit behind i
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from rollout.chat import ChatFormat
-from rollout.task import Problem, calculator, reward
+from rollout.tasks import Env, Problem, Task
+
 
 @dataclass
 class Completion:
@@ -45,30 +45,25 @@ class Episode:
     done: bool = False
 
 
-def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    return ChatFormat.of(tokenizer).prompt(messages)
-
-
-def agent_step(tokenizer, token_ids: list[int], finish_reason: str) -> tuple[dict, str | None]:
-    """The agent's side of one sampled turn: the assistant message it parses, and the calculator's
-    result when the turn is a finished tool call (None: the episode ends here)."""
-    eos = tokenizer.eos_token_id
+def agent_step(chat: ChatFormat, env: Env, token_ids: list[int], finish_reason: str) -> tuple[dict, list[dict] | None]:
+    """The agent's side of one sampled turn: the assistant message it parses, and the tool messages
+    answering its calls from the episode's environment when the turn is a finished tool call
+    (None: the episode ends here)."""
+    eos = chat.tokenizer.eos_token_id
     ids = token_ids[:-1] if token_ids and token_ids[-1] == eos else token_ids
-    msg = ChatFormat.of(tokenizer).parse(tokenizer.decode(ids, skip_special_tokens=False))
+    msg = chat.parse(chat.tokenizer.decode(ids, skip_special_tokens=False))
     if finish_reason != "stop" or not msg["tool_calls"]:
         return msg, None
-    try:
-        return msg, calculator(json.loads(msg["tool_calls"][0]["function"]["arguments"])["expression"])
-    except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
-        return msg, f"error: {e}"
+    return msg, [{"role": "tool", "tool_call_id": c["id"], "content": env.call(c["function"]["name"], c["function"]["arguments"])}
+                 for c in msg["tool_calls"]]
 
 
-def after_turn(tokenizer, messages: list[dict], result: str) -> tuple[list[dict], list[int]]:
-    """The tool message answering the last assistant turn's call, appended to `messages`, and the
-    ids that follow the turn's end-of-turn token: the result as the template renders it, and the
-    next generation prompt."""
-    messages = messages + [{"role": "tool", "tool_call_id": "call_0", "content": result}]
-    return messages, ChatFormat.of(tokenizer).after_turn(messages)
+def after_turn(chat: ChatFormat, messages: list[dict], results: list[dict]) -> tuple[list[dict], list[int]]:
+    """The tool messages answering the last assistant turn's calls, appended to `messages`, and the
+    ids that follow the turn's end-of-turn token: the results as the template renders them, and
+    the next generation prompt."""
+    messages = messages + results
+    return messages, chat.after_turn(messages)
 
 
 def run_episodes(
@@ -76,31 +71,35 @@ def run_episodes(
     tokenizer,
     generate: Generate | Callable,
     *,
+    task: Task,
     temperature: float,
-    max_tokens: int = 48,
-    max_turns: int = 2,
+    max_tokens: int | None = None,
+    max_turns: int | None = None,
 ) -> list[Episode]:
-    """Play one episode per problem, batching each turn across the episodes still running."""
+    """Play one episode of `task` per problem (at most `max_turns` of at most `max_tokens` each,
+    defaults the task's), batching each turn across the episodes still running."""
+    chat = ChatFormat.of(tokenizer, task.tools)
     episodes = [Episode(p, p.messages()) for p in problems]
-    prompts = [prompt_ids(tokenizer, p.messages()) for p in problems]
-    for _ in range(max_turns):
+    envs = [task.env(p) for p in problems]
+    prompts = [chat.prompt(p.messages()) for p in problems]
+    for _ in range(max_turns or task.max_turns):
         live = [i for i, e in enumerate(episodes) if not e.done]
         if not live:
             break
-        outs = generate([prompts[i] for i in live], temperature=temperature, max_tokens=max_tokens)
+        outs = generate([prompts[i] for i in live], temperature=temperature, max_tokens=max_tokens or task.max_tokens)
         for i, out in zip(live, outs):
             ep = episodes[i]
             ep.turns.append(Turn(prompts[i], out))
-            msg, result = agent_step(tokenizer, out.token_ids, out.finish_reason)
+            msg, results = agent_step(chat, envs[i], out.token_ids, out.finish_reason)
             ep.messages.append(msg)
-            if result is None:
+            if results is None:
                 ep.done = True
                 continue
-            ep.messages, more = after_turn(tokenizer, ep.messages, result)
+            ep.messages, more = after_turn(chat, ep.messages, results)
             prompts[i] = prompts[i] + list(out.token_ids) + more
     for ep in episodes:
         ep.done = True
-        ep.reward = reward(ep.problem, ep.messages)
+        ep.reward = task.reward(ep.problem, ep.messages)
     return episodes
 
 

@@ -105,10 +105,10 @@ def ds_episodes(tiny_llm, tiny_tokenizer):
     """GROUPS problems x G episodes each at temperature 1 (a GRPO batch), with their ids."""
     from rollout.engine import vllm_generate
     from rollout.episode import run_episodes
-    from rollout.task import make_problems
+    from rollout.tasks.calculator import TASK, make_problems
 
     problems = [p for p in make_problems("train", GROUPS, seed=7) for _ in range(G)]
-    episodes = run_episodes(problems, tiny_tokenizer, vllm_generate(tiny_llm), temperature=1.0, max_tokens=48)
+    episodes = run_episodes(problems, tiny_tokenizer, vllm_generate(tiny_llm), task=TASK, temperature=1.0, max_tokens=48)
     return [(f"ep-{i}", ep) for i, ep in enumerate(episodes)]
 
 
@@ -117,10 +117,10 @@ def spec_traffic(tiny_llm, tiny_tokenizer, tmp_path_factory):
     """A trace root: 48 problems x 2 samples at T=1, as the server traces them (one row per turn)."""
     from rollout.engine import vllm_generate
     from rollout.episode import run_episodes
-    from rollout.task import make_problems
+    from rollout.tasks.calculator import TASK, make_problems
 
     problems = [p for p in make_problems("train", 48, seed=11) for _ in range(2)]
-    episodes = run_episodes(problems, tiny_tokenizer, vllm_generate(tiny_llm), temperature=1.0, max_tokens=48)
+    episodes = run_episodes(problems, tiny_tokenizer, vllm_generate(tiny_llm), task=TASK, temperature=1.0, max_tokens=48)
     root = tmp_path_factory.mktemp("spec-traffic") / "data"
     write_traces(root, [t for i, ep in enumerate(episodes) for t in episode_traces(ep, f"spec-{i}")])
     return root

@@ -59,6 +59,9 @@ class DatasetConfig:
     min_heldout: int = 0
     seed: int = 0  # salts the held-out hash; same seed, same split on every rebuild
     reward_fn: str = DEFAULT_REWARD_FN  # "module:function", (EpisodeRecord) -> float | None
+    # the task the episodes were played on (rollout.tasks.load_task): its tools read the episodes
+    # back into messages, and `task_reward` scores them by its exact reward
+    task: str = "calculator"
     feedback_mode: FeedbackMode = "override"
     rating_range: tuple[int, int] = (-1, 1)  # a rating-only feedback row's (lo, hi) (pipelines/rewards.py)
     logprobs_mode: str = "processed_logprobs"  # what the trainer expects (the server's); others are dropped
@@ -111,6 +114,9 @@ class DatasetConfig:
             load_fn(self.reward_fn)
         except (ImportError, ValueError) as e:
             raise ValueError(f"reward_fn {self.reward_fn!r}: {e}") from None
+        from rollout.tasks import load_task
+
+        load_task(self.task)
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,7 @@ class RLDatasetManifest:
     created_by: str = field(default="pipelines.traces_to_dataset")
     min_heldout: int = 0  # DatasetConfig.min_heldout (0 in manifests written before it)
     rating_range: tuple[int, int] = (-1, 1)
+    task: str = "calculator"  # DatasetConfig.task
 
     @property
     def kept_episodes(self) -> int:

@@ -32,7 +32,7 @@ def test_a_llama_model_runs_a_cycle_with_its_own_chat_format(llama_base, tmp_pat
 
     from rollout.chat import ChatFormat
     from rollout.server.process import ServerProcess
-    from rollout.task import TOOLS, make_problems
+    from rollout.tasks.calculator import TASK, TOOLS, make_problems
     from rollout.traces import read_traces
 
     assert json.loads(Path(llama_base.path, "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
@@ -50,7 +50,7 @@ def test_a_llama_model_runs_a_cycle_with_its_own_chat_format(llama_base, tmp_pat
 
     # the traced turns read back through Llama's framing; sampled calls parsed by llama3_json
     tok = AutoTokenizer.from_pretrained(llama_base.path)
-    chat = ChatFormat.of(tok)
+    chat = ChatFormat.of(tok, TASK.tools)
     assert chat.parser_name == "llama3_json"
     rows = read_traces(run_dir / "data", columns=["turn", "prompt_token_ids", "completion_token_ids"]).to_pylist()
     calls = 0

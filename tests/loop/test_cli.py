@@ -37,10 +37,10 @@ def test_loop_eval_measures_the_served_checkpoint(tiny_base, tiny_cfg, tiny_llm,
     from loop.evaluate import served_success
     from rollout.engine import vllm_generate
     from rollout.episode import run_episodes, success_rate
-    from rollout.task import make_problems
+    from rollout.tasks.calculator import TASK, make_problems
 
     problems = make_problems("eval", tiny_cfg.task.num_eval_problems, tiny_cfg.task.seed)
-    here = success_rate(run_episodes(problems, tiny_tokenizer, vllm_generate(tiny_llm), temperature=0.0))
+    here = success_rate(run_episodes(problems, tiny_tokenizer, vllm_generate(tiny_llm), task=TASK, temperature=0.0))
 
     r = served_success("conf/tiny.yaml", tiny_base.path, "none", [f"bootstrap.cache_dir={tiny_cfg.bootstrap.cache_dir}",
                                                                   f"run_dir={tmp_path}"], temperatures=(0.0,))

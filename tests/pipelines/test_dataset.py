@@ -15,7 +15,7 @@ import pytest
 from pipelines.rewards import EpisodeRecord, task_reward
 from pipelines.traces_to_dataset import DatasetConfig, build_dataset, group_id, load_manifest
 from rollout.chat import ChatFormat
-from rollout.episode import prompt_ids
+from rollout.tasks.calculator import TASK
 from rollout.traces import Feedback, Trace
 
 T0 = datetime(2026, 12, 2, 12, 0, tzinfo=timezone.utc)  # the fixtures' trace time
@@ -67,10 +67,10 @@ def test_build_keeps_exact_tokens_and_counts_planted_faults(ds_episodes, ds_trac
     chat = [{"role": "system", "content": "Use the calculator tool, then give the answer."},
             {"role": "user", "content": "What is the capital of France?"}]
     planted.append(retime(src[0], trace_id="no-reward-0", episode_id="bad-no-reward", turn=0,
-                          prompt_token_ids=prompt_ids(tiny_tokenizer, chat)))
+                          prompt_token_ids=ChatFormat.of(tiny_tokenizer, TASK.tools).prompt(chat)))
     # the same question with a feedback reward is kept, with that reward
     planted.append(retime(src[0], trace_id="fb-0", episode_id="fb-episode", turn=0,
-                          prompt_token_ids=prompt_ids(tiny_tokenizer, chat)))
+                          prompt_token_ids=ChatFormat.of(tiny_tokenizer, TASK.tools).prompt(chat)))
     feedback = [Feedback(trace_id="fb-0", reward=0.25, source="user", created_at=T0, feedback_id="fb-a"),
                 Feedback(trace_id="fb-0", reward=0.75, source="user", created_at=T0 + timedelta(seconds=5)),
                 # a retried post of fb-a that reached the table twice: the first row of an id counts
@@ -303,7 +303,7 @@ def test_task_reward_reads_the_decoded_episode(ds_episodes, tiny_tokenizer):
         last = ep.turns[-1]
         ids = last.prompt_ids + last.completion.token_ids
         rec = EpisodeRecord(eid, (), ids, lambda x: tiny_tokenizer.decode(x, skip_special_tokens=False),
-                            chat=ChatFormat.of(tiny_tokenizer))
+                            chat=ChatFormat.of(tiny_tokenizer, TASK.tools), task=TASK)
         assert task_reward(rec) == ep.reward
         assert [m["role"] for m in rec.messages][:2] == ["system", "user"]
         assert json.dumps(rec.messages)

@@ -10,7 +10,7 @@ import pytest
 import pipelines.rewards as rewards
 from pipelines.rewards import EpisodeRecord, combine, load_fn, score, task_ground_truth, task_reward
 from rollout.chat import ChatFormat
-from rollout.task import TOOLS, demonstration, make_problems
+from rollout.tasks.calculator import TASK, TOOLS, demonstration, make_problems
 from rollout.traces import Feedback
 
 T0 = datetime(2026, 12, 2, tzinfo=timezone.utc)
@@ -19,7 +19,7 @@ T0 = datetime(2026, 12, 2, tzinfo=timezone.utc)
 def _record(tok, messages, feedback=(), rating_range=(-1, 1)) -> EpisodeRecord:
     ids = tok.apply_chat_template(messages, tools=TOOLS, tokenize=True, return_dict=False)
     return EpisodeRecord("e", ("t",), list(ids), lambda x: tok.decode(x, skip_special_tokens=False), tuple(feedback),
-                         rating_range, ChatFormat.of(tok))
+                         rating_range, ChatFormat.of(tok, TASK.tools), TASK)
 
 
 def test_task_reward_on_rendered_demonstrations(tiny_tokenizer):

@@ -12,9 +12,10 @@ import uuid
 import pytest
 from aiohttp import web
 
+from rollout.chat import ChatFormat
 from rollout.collector import CollectorConfig, collect
-from rollout.episode import after_turn, prompt_ids
-from rollout.task import calculator, make_problems, problem_from_question
+from rollout.episode import after_turn
+from rollout.tasks.calculator import TASK, calculator, make_problems, problem_from_question
 
 
 class FakeEndpoint:
@@ -89,7 +90,7 @@ def _run(tok, faults, **cfg_kw):
         cfg = CollectorConfig(base_url=f"http://127.0.0.1:{port}", group_size=3, run_id="r", progress=False,
                               retry_backoff_s=0.0, **cfg_kw)
         try:
-            return await collect(problems, tok, cfg)
+            return await collect(problems, tok, cfg, TASK)
         finally:
             await runner.cleanup()
 
@@ -104,8 +105,9 @@ def test_episodes_are_token_in_token_out_and_rewarded_once(tiny_tokenizer):
     for r in results:
         assert r.status == "ok" and r.reward == 1.0 and r.problem is problems[r.group]
         t0, t1 = r.turns
-        assert t0.prompt_ids == prompt_ids(tiny_tokenizer, r.problem.messages())
-        _, more = after_turn(tiny_tokenizer, r.messages[:3], calculator(r.problem.expression))
+        assert t0.prompt_ids == ChatFormat.of(tiny_tokenizer, TASK.tools).prompt(r.problem.messages())
+        result = {"role": "tool", "tool_call_id": "call_0", "content": calculator(r.problem.expression)}
+        _, more = after_turn(ChatFormat.of(tiny_tokenizer, TASK.tools), r.messages[:3], [result])
         assert t1.prompt_ids == t0.prompt_ids + t0.token_ids + more
         for k, t in enumerate(r.turns):
             sent = fake.sent[(r.episode_id, k)]

@@ -77,7 +77,7 @@ def homogeneity_pvalues(a: np.ndarray, b: np.ndarray) -> list[float]:
 
 @pytest.fixture(scope="module")
 def prompt(tiny_tokenizer) -> list[int]:
-    from rollout.task import SYSTEM_PROMPT
+    from rollout.tasks.calculator import SYSTEM_PROMPT
 
     ids = tiny_tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT},
                                               {"role": "user", "content": PROMPT}],

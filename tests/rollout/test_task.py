@@ -3,7 +3,7 @@ import json
 import pytest
 
 from rollout.chat import ChatFormat
-from rollout.task import calculator, demonstration, make_problems, reward
+from rollout.tasks.calculator import TASK, calculator, demonstration, make_problems, reward
 
 
 def test_splits_are_seeded_and_disjoint():
@@ -49,7 +49,7 @@ def test_reward_is_exact():
 def test_parse_assistant_hermes_format(tiny_tokenizer):
     """The collector reads a sampled turn with vLLM's own parser for the template (hermes here),
     as the endpoint does for an outside agent: malformed markup is content and no call."""
-    chat = ChatFormat.of(tiny_tokenizer)
+    chat = ChatFormat.of(tiny_tokenizer, TASK.tools)
     assert chat.parser_name == "hermes"
     msg = chat.parse('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+2"}}\n</tool_call>')
     assert msg["content"] == "" and json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"expression": "2+2"}
@@ -59,7 +59,7 @@ def test_parse_assistant_hermes_format(tiny_tokenizer):
 
 
 def test_problem_from_question_inverts_every_template():
-    from rollout.task import problem_from_question
+    from rollout.tasks.calculator import TASK, problem_from_question
 
     for p in make_problems("eval", 400, seed=5):
         q = problem_from_question(p.question)
@@ -68,11 +68,11 @@ def test_problem_from_question_inverts_every_template():
 
 
 def test_chatml_round_trip(tiny_tokenizer):
-    from rollout.task import TOOLS, problem_from_question
+    from rollout.tasks.calculator import TASK, TOOLS, problem_from_question
 
     p = make_problems("eval", 1, seed=9)[0]
     demo = demonstration(p)
-    msgs = ChatFormat.of(tiny_tokenizer).messages(tiny_tokenizer.apply_chat_template(demo, tools=TOOLS, tokenize=False))
+    msgs = ChatFormat.of(tiny_tokenizer, TASK.tools).messages(tiny_tokenizer.apply_chat_template(demo, tools=TOOLS, tokenize=False))
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant"]
     assert msgs[0]["content"] == demo[0]["content"] and msgs[3]["content"] == demo[3]["content"]
     assert reward(problem_from_question(msgs[1]["content"]), msgs) == 1.0

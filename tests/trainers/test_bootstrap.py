@@ -6,9 +6,10 @@ import json
 import pytest
 import torch
 
+from rollout.chat import ChatFormat
 from rollout.chat import encode_demo
-from rollout.episode import Completion, after_turn, hf_generate, prompt_ids, run_episodes
-from rollout.task import TOOLS, demonstration, make_problems
+from rollout.episode import Completion, after_turn, hf_generate, run_episodes
+from rollout.tasks.calculator import TASK, TOOLS, demonstration, make_problems
 from trainers.bootstrap.tokenizer import TOOL_TOKENS
 
 
@@ -64,12 +65,12 @@ def test_episode_tokens_extend_exactly(tiny_tokenizer):
     """Turn 2's prompt (built token-in/token-out) equals the chat template's own rendering."""
     tok = tiny_tokenizer
     demo = demonstration(make_problems("eval", 1)[0])
-    turn1 = prompt_ids(tok, demo[:2])
+    turn1 = ChatFormat.of(tok, TASK.tools).prompt(demo[:2])
     completion = tok(tok.apply_chat_template(demo[:3], tools=TOOLS, tokenize=False)[
         len(tok.apply_chat_template(demo[:2], tools=TOOLS, tokenize=False, add_generation_prompt=True)):
     ].split("<|im_end|>")[0] + "<|im_end|>", add_special_tokens=False)["input_ids"]
-    turn2 = turn1 + completion + after_turn(tok, demo[:3], demo[3]["content"])[1]
-    assert turn2 == prompt_ids(tok, demo[:4])
+    turn2 = turn1 + completion + after_turn(ChatFormat.of(tok, TASK.tools), demo[:3], [demo[3]])[1]
+    assert turn2 == ChatFormat.of(tok, TASK.tools).prompt(demo[:4])
 
 
 def test_base_model_generates_tool_calls_in_transformers(tiny_base, tiny_tokenizer):
@@ -77,7 +78,7 @@ def test_base_model_generates_tool_calls_in_transformers(tiny_base, tiny_tokeniz
 
     model = AutoModelForCausalLM.from_pretrained(tiny_base.path, dtype=torch.float32).eval()
     eps = run_episodes(make_problems("eval", 16, seed=7), tiny_tokenizer, hf_generate(model, tiny_tokenizer),
-                       temperature=0.0)
+                       task=TASK, temperature=0.0)
     calls = [e for e in eps if e.messages[2].get("tool_calls")]
     assert len(calls) >= 12, [e.messages[2] for e in eps]
     # the calls are well-formed calculator calls the environment could run
@@ -95,10 +96,10 @@ def test_base_model_in_vllm_matches_transformers(tiny_base, tiny_tokenizer, tiny
     # flywheel's `kernels/` package must not pass for Hugging Face's `kernels`
     assert not is_kernels_available()
     problems = make_problems("eval", 16, seed=7)
-    eps_vllm = run_episodes(problems, tiny_tokenizer, vllm_generate(tiny_llm), temperature=0.0)
+    eps_vllm = run_episodes(problems, tiny_tokenizer, vllm_generate(tiny_llm), task=TASK, temperature=0.0)
     assert sum(bool(e.messages[2].get("tool_calls")) for e in eps_vllm) >= 12
     model = AutoModelForCausalLM.from_pretrained(tiny_base.path, dtype=torch.float32).eval()
-    eps_hf = run_episodes(problems, tiny_tokenizer, hf_generate(model, tiny_tokenizer), temperature=0.0)
+    eps_hf = run_episodes(problems, tiny_tokenizer, hf_generate(model, tiny_tokenizer), task=TASK, temperature=0.0)
     # fp32 greedy: the engine and transformers agree token for token on (nearly) every episode
     same = sum(a.turns[0].completion.token_ids == b.turns[0].completion.token_ids for a, b in zip(eps_vllm, eps_hf))
     assert same >= 14

@@ -10,8 +10,8 @@ import shutil
 import pytest
 
 from rollout.chat import ChatFormat, encode_demo
-from rollout.episode import after_turn, agent_step, prompt_ids
-from rollout.task import TOOLS, calculator, demonstration, make_problems, problem_from_question, reward
+from rollout.episode import after_turn, agent_step
+from rollout.tasks.calculator import TASK, TOOLS, calculator, demonstration, make_problems, problem_from_question, reward
 from trainers.bootstrap.model import FAMILIES, ModelConfig, build_model
 from trainers.bootstrap.tokenizer import render_texts, save_hf_tokenizer, train_tokenizer
 
@@ -28,7 +28,7 @@ def family(request, tmp_path_factory):
 
 def test_each_family_plays_episodes_token_in_token_out(family):
     fam, tok = family
-    chat = ChatFormat.of(tok)
+    chat = ChatFormat.of(tok, TASK.tools)
     assert chat.parser_name == PARSERS[fam]
     for p in make_problems("eval", 20, seed=4):
         demo = demonstration(p)
@@ -36,15 +36,15 @@ def test_each_family_plays_episodes_token_in_token_out(family):
         # SFT trains on the episode the collector builds: prompt, call, tool result + next header, answer
         call = chat.ids(chat.assistant_text(demo[:3]))
         answer = chat.ids(chat.assistant_text(demo))
-        msgs, more = after_turn(tok, demo[:3], demo[3]["content"])
-        played = prompt_ids(tok, demo[:2]) + call + more + answer
+        msgs, more = after_turn(chat, demo[:3], [demo[3]])
+        played = chat.prompt(demo[:2]) + call + more + answer
         assert ids[:len(played)] == played and sum(mask) == len(call) + len(answer)
         assert call[-1] == answer[-1] == tok.eos_token_id
         # vLLM's parser for the family reads the sampled call; the calculator answers it
-        msg, result = agent_step(tok, call, "stop")
+        msg, results = agent_step(chat, TASK.env(p), call, "stop")
         assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"expression": p.expression}
-        assert result == calculator(p.expression) == demo[3]["content"]
-        assert agent_step(tok, answer, "stop") == ({"role": "assistant", "content": f"Answer: {p.answer}",
+        assert results == [demo[3]] and demo[3]["content"] == calculator(p.expression)
+        assert agent_step(chat, TASK.env(p), answer, "stop") == ({"role": "assistant", "content": f"Answer: {p.answer}",
                                                     "tool_calls": None}, None)
         # the played tokens read back into the conversation, rewarded as the demonstration is
         back = chat.messages(tok.decode(played, skip_special_tokens=False))
@@ -92,5 +92,5 @@ def test_base_model_is_checked_at_config_load(tiny_base, tmp_path):
     (plain / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     with pytest.raises(ConfigError, match="serve.tool_call_parser: auto .* renders no tool calls"):
         load_config("conf/tiny.yaml", [f"base.model={plain}"])
-    with pytest.raises(ConfigError, match="serve.tool_call_parser none: the calculator task calls a tool"):
+    with pytest.raises(ConfigError, match="serve.tool_call_parser none: the calculator task calls tools"):
         load_config("conf/tiny.yaml", [f"base.model={plain}", "serve.tool_call_parser=none"])

@@ -71,7 +71,7 @@ def test_tokens_sampled_at_temperature_07_are_trained_at_it(tiny_base, ds_traces
 
     from pipelines.traces_to_dataset import DatasetConfig, build_dataset
     from rollout.episode import Completion, hf_generate, run_episodes
-    from rollout.task import make_problems
+    from rollout.tasks.calculator import TASK, make_problems
     from rollout.traces import Feedback
 
     t = 0.7
@@ -79,7 +79,7 @@ def test_tokens_sampled_at_temperature_07_are_trained_at_it(tiny_base, ds_traces
     tok = AutoTokenizer.from_pretrained(tiny_base.path)
     torch.manual_seed(0)
     problems = [p for p in make_problems("train", 2, seed=11) for _ in range(4)]
-    episodes = run_episodes(problems, tok, hf_generate(model, tok), temperature=t, max_tokens=32)
+    episodes = run_episodes(problems, tok, hf_generate(model, tok), task=TASK, temperature=t, max_tokens=32)
     traces, feedback = [], []
     with torch.no_grad():
         for i, ep in enumerate(episodes):

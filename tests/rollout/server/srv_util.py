@@ -90,7 +90,7 @@ def write_test_manifest(folder: Path) -> None:
 
 
 def chat_messages(text: str = "A box holds 12 pens. How many pens are in 7 boxes?") -> list[dict]:
-    from rollout.task import SYSTEM_PROMPT
+    from rollout.tasks.calculator import SYSTEM_PROMPT
 
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": text}]
 

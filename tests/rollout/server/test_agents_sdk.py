@@ -28,7 +28,7 @@ def extends(prev: dict, nxt: dict) -> bool:
 def test_an_agents_sdk_agent_plays_through_the_endpoint(srv_main, tiny_base, tmp_path):
     from pipelines.traces_to_dataset import DatasetConfig, build_dataset
     from rollout.agents import AgentRunConfig, load_agent, run_agent
-    from rollout.task import make_problems
+    from rollout.tasks.calculator import make_problems
     from rollout.traces import read_traces
 
     agent = load_agent(f"{REPO / 'examples' / 'agents_sdk_calculator.py'}:play")

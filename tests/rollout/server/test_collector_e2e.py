@@ -18,9 +18,9 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from pipelines.traces_to_dataset import DatasetConfig, build_dataset
+from rollout.chat import ChatFormat
 from rollout.collector import CollectorConfig, collect_sync
-from rollout.episode import prompt_ids
-from rollout.task import SYSTEM_PROMPT, make_problems
+from rollout.tasks.calculator import TASK, SYSTEM_PROMPT, make_problems
 from rollout.traces import Feedback, Trace, TraceConfig, TraceWriter, read_feedback, read_traces
 from rollout.traces.feedback import FeedbackStore
 
@@ -29,7 +29,7 @@ def test_collect_through_the_server_then_build_the_dataset(srv_main, tiny_tokeni
     run = uuid.uuid4().hex[:8]
     cfg = CollectorConfig(base_url=srv_main.url, group_size=4, concurrency=8, temperature=1.0, max_tokens=48,
                           progress=False, run_id=run)
-    results, stats = collect_sync(make_problems("train", 2, seed=9), tiny_tokenizer, cfg)
+    results, stats = collect_sync(make_problems("train", 2, seed=9), tiny_tokenizer, cfg, TASK)
     assert stats.episodes_ok == 8, [r.error for r in results]
     two_turn = [r for r in results if len(r.turns) == 2]
     assert two_turn, "the tiny model should call the calculator"
@@ -37,7 +37,7 @@ def test_collect_through_the_server_then_build_the_dataset(srv_main, tiny_tokeni
     # a planted episode no reward can judge: a real request, off-task, with no feedback
     chat = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "What is the capital of France?"}]
     r = httpx.post(srv_main.url + "/v1/completions", timeout=120, json={
-        "model": "flywheel", "prompt": prompt_ids(tiny_tokenizer, chat), "max_tokens": 8, "temperature": 1.0,
+        "model": "flywheel", "prompt": ChatFormat.of(tiny_tokenizer, TASK.tools).prompt(chat), "max_tokens": 8, "temperature": 1.0,
         "logprobs": 0, "return_token_ids": True, "episode_id": f"{run}-noreward", "turn": 0})
     assert r.status_code == 200
 

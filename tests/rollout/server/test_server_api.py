@@ -13,7 +13,7 @@ import httpx
 import pytest
 from srv_util import ADMIN_TOKEN, assert_sampling_logprobs, chat_messages, sampled_row, sse_events
 
-from rollout.task import TOOLS
+from rollout.tasks.calculator import TOOLS
 
 pytestmark = pytest.mark.slow
 

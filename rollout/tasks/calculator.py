@@ -1,4 +1,4 @@
-"""The demo world: arithmetic word problems that need a `calculator` tool.
+"""The calculator task (the default): arithmetic word problems that need a `calculator` tool.
 
 An episode is two real assistant turns in OpenAI chat format:
 
@@ -20,7 +20,7 @@ import json
 import operator
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 SYSTEM_PROMPT = "Use the calculator tool, then give the answer."
@@ -207,3 +207,49 @@ def reward(problem: Problem, messages: list[dict]) -> float:
         return 0.0
     m = ANSWER_RE.match(turns[1].get("content") or "")
     return float(m is not None and not turns[1].get("tool_calls") and int(m.group(1)) == problem.answer)
+
+
+class _Calculator:
+    """The stateless calculator as an environment."""
+
+    def call(self, name: str, arguments: str) -> str:
+        if name != "calculator":
+            return f"error: no tool named {name!r}"
+        try:
+            return calculator(json.loads(arguments)["expression"])
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+            return f"error: {e}"
+
+
+@dataclass(frozen=True, eq=False)  # hashed by identity (rewards cache problems per task)
+class CalculatorTask:
+    """This module as a `rollout.tasks.Task`."""
+
+    name: str = "calculator"
+    tools: list = field(default_factory=lambda: TOOLS)
+    max_turns: int = 2
+    max_tokens: int = 48
+    feedback_source: str = "env:calculator"
+
+    def problems(self, split: str, n: int, seed: int | str = 0) -> list[Problem]:
+        return make_problems(split, n, seed)
+
+    def env(self, problem: Problem) -> _Calculator:
+        return _Calculator()
+
+    def reward(self, problem: Problem, messages: list[dict]) -> float:
+        return reward(problem, messages)
+
+    def demonstration(self, problem: Problem) -> list[dict]:
+        return demonstration(problem)
+
+    def problem_of(self, question: str) -> Problem | None:
+        return problem_from_question(question)
+
+    def partial_credit(self, messages: list[dict]) -> bool:
+        """A well-formed first call (the shaped reward's 0.2, pipelines.rewards.shaped_task_reward)."""
+        first = next((m for m in messages if m["role"] == "assistant"), None)
+        return first is not None and parse_calculator_call(first.get("tool_calls")) is not None
+
+
+TASK = CalculatorTask()
