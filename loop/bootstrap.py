@@ -37,7 +37,10 @@ class TaskConfig:
     source: str | None = None  # tasks: a folder of train/eval .jsonl|.parquet, a saved DatasetDict, or one file
 
     def __post_init__(self):
-        self.load()  # an unknown task fails here, naming task.name
+        try:
+            self.load()
+        except ValueError as e:
+            raise ValueError(f"name: {e}") from None
         if self.num_eval_problems <= 0:
             raise ValueError(f"num_eval_problems must be positive, got {self.num_eval_problems}")
         if (self.agent is None) != (self.source is None):
