@@ -24,11 +24,22 @@ from trainers.rl.launch import RayConfig
 
 @dataclass
 class MlflowConfig:
-    tracking_uri: str | None = None  # None: a sqlite store under run_dir (sqlite:///<run_dir>/mlflow.db)
+    # None: a sqlite store under run_dir (sqlite:///<run_dir>/mlflow.db); a team's server:
+    # http://host:5000 (infra/mlflow/server.sh: PostgreSQL, artifacts proxied by the server)
+    tracking_uri: str | None = None
     experiment: str = "flywheel"
+    # a tracking server that does not answer: each request retried this many times (backoff 2, 4, 8 ...
+    # s), each attempt at most http_timeout_s; then the loop stops, said why, and resumes when rerun
+    http_retries: int = 5
+    http_timeout_s: int = 60
 
     def __post_init__(self):
         from urllib.parse import urlsplit
+
+        for name in ("http_retries", "http_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "http_retries" else 1):
+                raise ValueError(f"{name} must be an int >= {0 if name == 'http_retries' else 1}, got {v!r}")
 
         if self.tracking_uri and urlsplit(self.tracking_uri).password:
             raise ValueError("tracking_uri holds a password, which would be logged with the config; give the "

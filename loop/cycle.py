@@ -356,10 +356,10 @@ def serving_start(cfg, state: LoopState, base_path: str) -> dict:
     from pipelines.promote import Registry
 
     v = Registry(cfg.tracking_uri, cfg.promote.model_name).alias("serving")
-    if v is not None and (Path(v.source) / "config.json").is_file():
+    if v is not None and (Path(Registry.path_of(v)) / "config.json").is_file():
         fp = v.tags.get("fp_path") or None
         if fp and (Path(fp) / "config.json").is_file():
-            return {"path": v.source, "fp": fp, "version": str(v.version)}
+            return {"path": Registry.path_of(v), "fp": fp, "version": str(v.version)}
     return {"path": base_path, "fp": base_path, "version": None}
 
 

@@ -74,7 +74,7 @@ def run(cfg: LoopConfig) -> int:
     from loop.speculator import deploys, initial_draft, serve_with_draft
     from loop.state import LoopState
     from loop.tracking import find_run, open_run
-    from trainers.rl.launch import shutdown_ray
+    from trainers.rl.launch import TrainingFailed, shutdown_ray
 
     run_dir = Path(cfg.run_dir)
     state = LoopState.open(run_dir, flatten(to_dict(cfg)))
@@ -85,10 +85,10 @@ def run(cfg: LoopConfig) -> int:
               f"{' (removed ' + str(len(g)) + ' half-written folders)' if (g := sweep_partial(run_dir)) else ''}",
               flush=True)
     tags = {"loop_id": state.loop_id, "kind": "loop"}
-    state.run_id = state.run_id or find_run(cfg, **tags)
     display = Display(cfg.loop.cycles)
     t0 = time.perf_counter()
     try:
+        state.run_id = state.run_id or find_run(cfg, **tags)
         with open_run(cfg, f"loop {state.loop_id}", tags, run_id=state.run_id) as parent:
             state.run_id = parent.info.run_id
             state.save()
@@ -124,6 +124,19 @@ def run(cfg: LoopConfig) -> int:
     except ServingFailsOnStack as e:
         print(f"[loop] stopped: {e}", flush=True)
         return 3
+    except TrainingFailed as e:
+        print(f"[loop] stopped: {e}\n[loop] nothing of the train phase was kept; the same command resumes the "
+              f"run from it (state: {state.path})", flush=True)
+        return 5
+    except Exception as e:  # noqa: BLE001 (only the tracking server's silence is handled; the rest re-raises)
+        from loop.tracking import unreachable
+
+        if not unreachable(e):
+            raise
+        print(f"[loop] stopped: the MLflow tracking server {cfg.tracking_uri} did not answer "
+              f"(mlflow.http_retries {cfg.mlflow.http_retries}): {str(e)[:400]}\n[loop] nothing is lost: the run's "
+              f"state is in {state.path}; once the server is back, the same command resumes it", flush=True)
+        return 4
     except KeyboardInterrupt:
         where = next((f"cycle {c.k}, after {list(c.done)[-1] if c.done else 'nothing'}" for c in state.cycles
                       if not c.finished), "between cycles")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,10 +28,13 @@ def start_run(cfg, run_name: str, tags: dict | None = None):
 
 
 def use_store(cfg) -> str:
-    """Point MLflow at the config's tracking store and experiment; the experiment's id."""
+    """Point MLflow at the config's tracking store and experiment (a server's requests retried and
+    timed out as `mlflow.http_retries` / `http_timeout_s` say; children inherit it); the experiment's id."""
     import mlflow
 
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = str(cfg.mlflow.http_retries)
+    os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(cfg.mlflow.http_timeout_s)
     mlflow.set_tracking_uri(cfg.tracking_uri)
     if cfg.mlflow.tracking_uri is None and mlflow.get_experiment_by_name(cfg.mlflow.experiment) is None:
         # the run's own store keeps its artifacts beside it, not in ./mlruns of whatever directory
@@ -51,6 +55,16 @@ def open_run(cfg, run_name: str, tags: dict, run_id: str | None = None, nested: 
     params = {k: ("None" if v is None else v) for k, v in flatten(to_dict(cfg)).items()}
     mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
     return run
+
+
+def unreachable(e: BaseException) -> bool:
+    """Whether `e` is MLflow's client giving up on a tracking server that does not answer (its
+    retries spent), as opposed to a request the server refused."""
+    from mlflow.exceptions import MlflowException
+
+    text = str(e)
+    return isinstance(e, MlflowException) and "API request to" in text and any(
+        s in text for s in ("Max retries exceeded", "Connection refused", "Read timed out", "RemoteDisconnected"))
 
 
 def find_run(cfg, **tags) -> str | None:

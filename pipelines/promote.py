@@ -25,6 +25,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -102,8 +103,28 @@ class Registry:
                                                 "(quantized); aliases serving / previous / candidate / rejected")
 
     def register(self, path: str, tags: dict, run_id: str | None = None):
-        return self.client.create_model_version(self.name, source=str(path), run_id=run_id,
-                                                tags={k: _tag(v) for k, v in tags.items()})
+        """A new version of the checkpoint folder `path` (its weights stay where they are: tag
+        `path`). A local store takes the folder as the version's source; a tracking server accepts
+        only sources inside a run's artifacts, so there the source is `runs:/<run_id>/served/<name>`,
+        where the folder's small files (config, manifests: not the weights) are logged."""
+        tags = {**{k: _tag(v) for k, v in tags.items()}, "path": str(path)}
+        source = str(path)
+        if self.remote:
+            if run_id is None:
+                raise ValueError(f"registering {path} on the tracking server {self.client.tracking_uri} needs a run")
+            source = f"runs:/{run_id}/served/{Path(path).name}"
+            for f in sorted(Path(path).glob("*.json")):
+                self.client.log_artifact(run_id, str(f), f"served/{Path(path).name}")
+        return self.client.create_model_version(self.name, source=source, run_id=run_id, tags=tags)
+
+    @property
+    def remote(self) -> bool:
+        return str(self.client.tracking_uri).startswith(("http://", "https://"))
+
+    @staticmethod
+    def path_of(version) -> str:
+        """The checkpoint folder a version names (versions registered before the tag: their source)."""
+        return version.tags.get("path") or version.source
 
     def find(self, **tags):
         """The newest version carrying all of `tags` (as registered), or None."""
@@ -136,17 +157,17 @@ class Registry:
                                 f"was recorded: someone moved it; not moved to v{version}")
         self.set_alias(alias, version)
 
-    def ensure_registered(self, path: str, tags: dict):
-        """The newest version whose source is `path`, registered with `tags` if there is none (no alias moves)."""
-        return self.version_of(path) or self.register(path, tags)
+    def ensure_registered(self, path: str, tags: dict, run_id: str | None = None):
+        """The newest version of `path`, registered with `tags` if there is none (no alias moves)."""
+        return self.version_of(path) or self.register(path, tags, run_id)
 
     def tag(self, version, **tags) -> None:
         for k, v in tags.items():
             self.client.set_model_version_tag(self.name, str(version), k, _tag(v))
 
     def version_of(self, path: str):
-        """The newest version whose source is `path`, or None."""
-        found = [v for v in self.client.search_model_versions(f"name='{self.name}'") if v.source == str(path)]
+        """The newest version of the checkpoint folder `path`, or None."""
+        found = [v for v in self.client.search_model_versions(f"name='{self.name}'") if self.path_of(v) == str(path)]
         return max(found, key=lambda v: int(v.version)) if found else None
 
 
@@ -177,7 +198,7 @@ def intent(registry: Registry, server: AdminClient, version, sha: str) -> dict:
     old = registry.version_of(now["path"])
     aliases = {a: (str(v.version) if (v := registry.alias(a)) is not None else None) for a in ("serving", "previous")}
     return {"from_path": now["path"], "from_sha": now["checkpoint_sha256"], "from_draft": now.get("draft_path"),
-            "from_version": None if old is None else str(old.version), "to_path": version.source, "to_sha": sha,
+            "from_version": None if old is None else str(old.version), "to_path": registry.path_of(version), "to_sha": sha,
             "to_version": str(version.version), "aliases": aliases}
 
 
@@ -247,9 +268,9 @@ def rollback(registry: Registry, server: AdminClient, mode: str = "drain") -> Ou
     prev, cur = registry.alias("previous"), registry.alias("serving")
     if prev is None:
         raise ValueError(f"registered model {registry.name} has no `previous` version to roll back to")
-    code, body = server.swap(prev.source, mode, sha=prev.tags.get("checkpoint_sha256") or None)
+    code, body = server.swap(registry.path_of(prev), mode, sha=prev.tags.get("checkpoint_sha256") or None)
     if code != 200:
-        raise RuntimeError(f"the server refused to swap back to {prev.source} ({code}): {body}")
+        raise RuntimeError(f"the server refused to swap back to {registry.path_of(prev)} ({code}): {body}")
     registry.compare_and_set_alias("serving", None if cur is None else cur.version, prev.version)
     registry.tag(prev.version, status="serving", server_weight_version=body["weight_version"])
     if cur is not None and cur.version != prev.version:
