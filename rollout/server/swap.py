@@ -51,6 +51,7 @@ from rollout.server.reload import freeze, reference_logprobs, reload_in_place, r
 from rollout.server.tracing import quant_format, stack_fingerprint
 
 log = logging.getLogger("flywheel.server")
+FLOOR_FACTOR = 2.0  # the canary admits twice the serving weights' own gap (HotSwapper.tolerance)
 CANARY_MESSAGES = [{"role": "system", "content": "Use the calculator tool, then give the answer."},
                    {"role": "user", "content": "A box holds 12 pens. How many pens are in 7 boxes?"}]
 
@@ -89,6 +90,7 @@ class HotSwapper:
         self._lock = asyncio.Lock()
         self._canary_ids: list[int] | None = None
         self._refs: dict[str, list[float]] = {}  # checkpoint sha -> reference canary logprobs
+        self._floor: dict[str, float] = {}  # format -> the serving weights' canary gap before this swap
 
     def canary_ids(self) -> list[int]:
         if self._canary_ids is None:  # a conversation in the model's own chat format
@@ -106,9 +108,22 @@ class HotSwapper:
         return self._refs[sha]
 
     def tolerance(self, path: str) -> float:
+        """The canary's bound for `path`: the configured one; else the format's on this kernel build
+        (measured on the default model), raised to FLOOR_FACTOR x the gap the serving weights of that
+        format showed on this engine just before the swap (`_floor`): the gap to the float32
+        reference is the model's as much as the format's (a tiny Qwen3 in W8A8 sits at ~0.2 on an
+        AVX2 machine, the Qwen2 at 0.07), while a broken reload is off by more than 1."""
         if self.fixed_tolerance is not None:
             return self.fixed_tolerance
-        return (self.caps or detect()).canary_tolerance(serving_format(quant_format(path)))
+        fmt = serving_format(quant_format(path))
+        bound = (self.caps or detect()).canary_tolerance(fmt)
+        return max(bound, FLOOR_FACTOR * self._floor[fmt]) if fmt in self._floor else bound
+
+    async def _measure_floor(self, old: WeightState, old_expected: list[float]) -> None:
+        """The serving weights' own canary gap on this engine (before anything changes)."""
+        self._floor = {}
+        if self.fixed_tolerance is None:
+            self._floor[serving_format(quant_format(old.path))] = await self.canary(old_expected)
 
     async def canary(self, expected: list[float], inner=None) -> float:
         """Mean |Δ logprob| of the engine's prompt logprobs on the canary vs `expected`."""
@@ -181,6 +196,7 @@ class HotSwapper:
             old_expected = await self._reference(old.path, old.checkpoint_sha256)
         except Exception as e:
             raise SwapError(400, f"cannot compute the canary reference for {path}: {type(e).__name__}: {e}") from None
+        await self._measure_floor(old, old_expected)
         if second_engine:
             return await self._switch_engine(path, sha, expected, draft_path or old.draft_path)
         if mode == "keep":

@@ -277,3 +277,24 @@ def test_the_canary_is_a_conversation_in_the_models_own_chat_format(folders, tin
     inner.get_tokenizer = lambda: SimpleNamespace(apply_chat_template=no_template,
                                                   encode=lambda text, add_special_tokens=True: [ord(c) for c in text])
     assert swapper.canary_ids() == [ord(c) for c in "\n".join(m["content"] for m in CANARY_MESSAGES)]
+
+
+def test_the_canary_admits_the_gap_the_serving_weights_show_and_no_broken_reload(folders):
+    """A model whose engine sits further from its float32 reference than the format's bound (a tiny
+    Qwen3 in W8A8 on an AVX2 machine: 0.22 against 0.15) swaps in, because the serving weights of
+    that format show the same gap on this engine; a broken reload (off by more than 1) does not."""
+    old, new = folders
+    inner = ScriptedEngine({old: -1.0, new: -2.0}, loaded=old)
+    engine = TracingEngine(inner, WeightState(0, old, checkpoint_sha256(old)))
+    reference = {old: -1.3, new: -2.3}  # both 0.3 from what the engine computes
+    swapper = HotSwapper(engine, None, drain_timeout_s=1, reference=lambda p, ids: [reference[str(p)]] * (len(ids) - 1),
+                         caps=CAPS)
+    assert CAPS.canary_tolerance("none") < 0.3  # the format's bound alone refuses this model
+    result = asyncio.run(swapper.swap(new))
+    assert engine.weights.path == new and result.canary_mean_abs_dlogprob == pytest.approx(0.3)
+    assert swapper.tolerance(new) == pytest.approx(0.6)
+
+    inner.logprobs[old] = -4.0  # reloading `old` now yields garbage: 2.7 from its reference
+    with pytest.raises(SwapError) as e:
+        asyncio.run(swapper.swap(old))
+    assert e.value.restored and engine.weights.path == new and inner.loaded == new and engine.gate.is_open
