@@ -103,6 +103,8 @@ def cache_key(cfg: BootstrapConfig, task: TaskConfig) -> str:
            "corpus": cfg.tokenizer_corpus_problems, "format": 1}
     if task.name != "calculator":  # and those built before tasks had names
         key["task"] = task.name
+        if getattr(task.load(), "version", None):  # a task whose problems or demonstrations changed
+            key["task_version"] = task.load().version
     blob = json.dumps(key, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 

@@ -5,15 +5,17 @@ An episode (the demonstration):
 
     user:      "Shop 4821: how many lamps did Eva buy?"
     assistant: list_tables({})                      tool: "customers, sales"
-    assistant: describe_table({"table": "sales"})   tool: "id INTEGER, buyer TEXT, item TEXT, units INTEGER"
-    assistant: query({"sql": "SELECT SUM(units) FROM sales WHERE buyer = 'Eva' AND item = 'lamps'"})
+    assistant: describe_table({"table": "sales"})   tool: "id INTEGER, customer TEXT, item TEXT, qty INTEGER"
+    assistant: query({"sql": "SELECT SUM(qty) FROM sales WHERE customer = 'Eva' AND item = 'lamps'"})
                                                     tool: "7"
     assistant: "Answer: 7"
 
-Each shop's database is built from its number (`shop_db`): the shops differ in the name of their
-sales table and of two of its columns (3 x 2 x 2 schemas), so an agent has to look before it
-queries, and a question's answer is recomputed from its text alone (`problem_from_question`), as
-rewards of logged episodes need. The train and eval splits partition the question texts by hash.
+Each shop's database is built from its number (`shop_db`): its customers, what they bought and how
+many, so a question's answer is recomputed from its text alone (`problem_from_question`), as
+rewards of logged episodes need. Every shop has the same schema: with the sales table's name and
+two column names drawn per shop (12 schemas), the default tiny model reached 3% sampled success
+after 400 SFT steps, every failure a table or column name not copied out of a tool's result.
+`SCHEMAS` holds the variants for a model that can learn them. The train and eval splits partition the question texts by hash.
 `reward` is exact: 1.0 iff the episode ran a well-formed `query` and its final answer equals the
 gold query's result; the answer has to come from the database, it cannot be copied from the
 question. Queries run read-only, bounded in length and in steps.
@@ -48,9 +50,8 @@ TOOLS = [
 
 NAMES = ["Ann", "Ben", "Cai", "Dev", "Eva", "Fay", "Gus", "Hal", "Ida", "Joe", "Kim", "Lea"]
 ITEMS = ["pens", "cups", "books", "lamps", "bags", "hats", "maps", "rugs"]
-SALES_TABLES = ["sales", "orders", "purchases"]
-CUSTOMER_COLUMNS = ["customer", "buyer"]
-QUANTITY_COLUMNS = ["qty", "units"]
+# (sales table, customer column, quantity column) a shop's schema is drawn from
+SCHEMAS = [("sales", "customer", "qty")]
 
 # (question, gold SQL) over {shop}, {name}, {item}; the schema's names fill {t}, {c}, {q}
 TEMPLATES: list[tuple[str, str]] = [
@@ -79,7 +80,7 @@ class Shop:
 def shop(number: int) -> Shop:
     """Shop `number`'s data, the same on every machine."""
     rng = random.Random(f"shop:{number}")
-    table, customer, quantity = rng.choice(SALES_TABLES), rng.choice(CUSTOMER_COLUMNS), rng.choice(QUANTITY_COLUMNS)
+    table, customer, quantity = rng.choice(SCHEMAS)
     names, items = rng.sample(NAMES, 4), rng.sample(ITEMS, 4)
     rows = tuple((rng.choice(names), rng.choice(items), rng.randint(1, 9)) for _ in range(rng.randint(8, 14)))
     cities = tuple((n, rng.choice(["Oslo", "Lima", "Pune", "Kobe"])) for n in sorted(names))
@@ -242,6 +243,7 @@ class SQLTask:
     """This module as a `rollout.tasks.Task`."""
 
     name: str = "sql"
+    version: int = 2  # 2: one schema for every shop (the bootstrap's cache key holds it)
     tools: list = field(default_factory=lambda: TOOLS)
     max_turns: int = 5  # the demonstration's 4, and one to recover from an error
     max_tokens: int = 64
