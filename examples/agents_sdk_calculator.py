@@ -12,8 +12,8 @@ The agent code is what an Agents SDK user writes; the one Flywheel-specific thin
 the client it is given (its requests carry the episode id, so every turn of the episode is traced
 under it). The framework re-sends the conversation as text each turn, so the server re-renders
 and re-tokenizes it: turn k+1's prompt need not extend turn k's sampled tokens exactly (the
-dataset build counts such episodes as `misaligned` and trains on none of their tokens; the
-collector of the built-in task sends token ids and never re-tokenizes).
+dataset build splits such an episode into segments of turns that do, so only sampled tokens are
+trained, and counts them; the collector of a built-in task sends token ids and never re-tokenizes).
 """
 
 from __future__ import annotations

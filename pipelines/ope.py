@@ -86,3 +86,17 @@ def episode_log_ratios(candidate: torch.Tensor, behaviour: torch.Tensor, counts:
     """Per episode, sum over its sampled tokens of candidate - behaviour log-probs (both flat,
     [num_scored] in episode order; `counts` the sampled tokens of each episode)."""
     return torch.stack([c.sum() for c in torch.split((candidate - behaviour).double(), counts)])
+
+
+def per_episode(log_ratios: torch.Tensor, rewards, episode_ids) -> tuple[torch.Tensor, list[float]]:
+    """Rows of one episode (segments of a re-tokenized one) as one: their log-ratios summed (the
+    episode's probability ratio is the product over all its sampled tokens), its reward once."""
+    order: dict[str, int] = {}
+    for e in episode_ids:
+        order.setdefault(e, len(order))
+    index = torch.tensor([order[e] for e in episode_ids])
+    summed = torch.zeros(len(order), dtype=log_ratios.dtype).index_add_(0, index, log_ratios)
+    first = {}
+    for e, r in zip(episode_ids, rewards):
+        first.setdefault(e, float(r))
+    return summed, [first[e] for e in order]

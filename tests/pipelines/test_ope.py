@@ -85,3 +85,15 @@ def test_bad_logged_data_is_refused_by_name():
         ope([0.0, float("nan")], [1.0, 0.0])
     with pytest.raises(ValueError, match="one log-ratio and one reward"):
         ope([0.0, 0.1], [1.0])
+
+
+def test_segments_of_one_episode_are_weighed_as_the_episode():
+    """A re-tokenized episode is several dataset rows: its importance weight is the product over all
+    its sampled tokens (the rows' log-ratios summed), its reward counted once."""
+    from pipelines.ope import per_episode
+
+    ratios, rewards = per_episode(torch.tensor([0.1, -0.3, 0.5, 0.2], dtype=torch.float64), [1.0, 1.0, 0.0, 1.0],
+                                  ["a", "a", "b", "c"])
+    assert torch.allclose(ratios, torch.tensor([-0.2, 0.5, 0.2], dtype=torch.float64)) and rewards == [1.0, 0.0, 1.0]
+    whole = ope(torch.tensor([-0.2, 0.5, 0.2]), [1.0, 0.0, 1.0], resamples=200)
+    assert ope(ratios, rewards, resamples=200).value == pytest.approx(whole.value)

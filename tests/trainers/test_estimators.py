@@ -72,3 +72,21 @@ def test_the_choice_reaches_the_checkpoint_manifest(datasets, tiny_base, tmp_pat
     ckpt = train(job)
     assert ckpt.adv_estimator == "reinforce_plus_plus" and "no group has 2" in ckpt.adv_estimator_reason
     assert ckpt.metrics["steps"] == 1
+
+
+def test_a_retokenized_episode_trains_its_segments_with_the_episodes_advantage(ds_episodes, ds_planted,
+                                                                             ds_tokenizer_path, tmp_path):
+    """An episode split into two rows at a re-tokenized turn counts once in its group, and both rows
+    carry its advantage on their own sampled tokens: the same tokens, logprobs and advantages as the
+    episode had whole (the split changes which rows hold them, not what is trained)."""
+    two_turn = [i for i, (_, ep) in enumerate(ds_episodes) if len(ep.turns) == 2]
+    whole = load_episodes(check_dataset(ds_planted(ds_episodes, tmp_path / "whole", ds_tokenizer_path).path), "grpo")
+    split = load_episodes(check_dataset(ds_planted(ds_episodes, tmp_path / "split", ds_tokenizer_path,
+                                                   retokenized={two_turn[0]}).path), "grpo")
+    assert split.counts["episodes"] == whole.counts["episodes"] and split.counts["segment_rows"] == 1
+    assert len(split) == len(whole) + 1
+    tokens = lambda e: sorted(  # noqa: E731  (each trained token: its id, behaviour logprob, advantage)
+        (int(ids[t + 1]), round(float(b[t]), 6), round(float(a[t]), 5))
+        for ids, m, b, a in zip(e.input_ids, e.loss_mask, e.behaviour_logprobs, e.advantages)
+        for t in torch.nonzero(m).flatten().tolist())
+    assert tokens(split) == tokens(whole)

@@ -67,6 +67,9 @@ class RLConfig:
     num_workers: int = 1
     use_gpu: bool = False
     threads_per_worker: int | None = None  # torch threads per worker; None: the cores / workers
+    # where the workers go (Ray's placement strategies): PACK fills a node first; SPREAD and
+    # STRICT_SPREAD (one worker per node, or the job waits for nodes) spread them over a cluster
+    placement: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
     progress: bool = True
 
     def __post_init__(self):
@@ -110,5 +113,7 @@ class RLConfig:
             raise ValueError("kl_coef, entropy_coeff and weight_decay must be >= 0")
         if self.use_gpu and self.num_workers == 0:
             raise ValueError("use_gpu needs num_workers >= 1 (the GPU workers run under Ray)")
+        if self.placement not in ("PACK", "SPREAD", "STRICT_SPREAD"):
+            raise ValueError(f"placement must be PACK, SPREAD or STRICT_SPREAD, got {self.placement!r}")
         if self.threads_per_worker is not None and self.threads_per_worker < 1:
             raise ValueError(f"threads_per_worker must be >= 1 or null, got {self.threads_per_worker!r}")

@@ -32,6 +32,7 @@ import torch
 from rollout.artifacts import file_sha256
 from pipelines.dataset.manifest import DATASET_SCHEMA, RLDatasetManifest, load_manifest
 
+SEGMENT_COLUMNS = ("segment", "segments")  # datasets built before re-tokenized episodes were split lack them
 COLUMNS = ("episode_id", "group_id", "input_ids", "assistant_mask", "behaviour_logprobs", "weight_versions",
            "temperatures", "reward")
 
@@ -194,17 +195,23 @@ def load_episodes(manifest: RLDatasetManifest, adv_estimator: str = "grpo", norm
     (`auto`: chosen from the data, `resolve_estimator`; the choice is in the result)."""
 
     files = manifest.files_of(split)
-    table = pa.concat_tables([pq.read_table(f, columns=list(COLUMNS)) for f in files]) if files else None
+    tables = [pq.read_table(f, columns=[c for c in (*COLUMNS, *SEGMENT_COLUMNS) if c in pq.read_schema(f).names])
+              for f in files]
+    rows = [r for t in tables for r in t.to_pylist()]
     want = manifest.train_episodes if split == "train" else manifest.heldout_episodes
-    if table is None or table.num_rows != want:
-        raise DatasetError(f"{manifest.path}: {split} holds {0 if table is None else table.num_rows} episodes, "
-                           f"the manifest says {want}")
-    rows = table.to_pylist()
+    if not files or len(rows) != want:
+        raise DatasetError(f"{manifest.path}: {split} holds {len(rows)} episodes, the manifest says {want}")
     for r in rows:
         n = len(r["input_ids"])
         if not (len(r["assistant_mask"]) == len(r["behaviour_logprobs"]) == len(r["weight_versions"])
                 == len(r["temperatures"]) == n >= 2):
             raise DatasetError(f"{manifest.path}: episode {r['episode_id']}: per-token lists of different lengths")
+    # an episode a client re-tokenized is several rows (segments, datasets built before: one): groups,
+    # signal and advantages are the episode's, from its last segment; every segment trains with them
+    segments_of: dict[str, list[dict]] = {}
+    for r in rows:
+        segments_of.setdefault(r["episode_id"], []).append(r)
+    rows = [r for r in rows if (r.get("segment") or 0) == (r.get("segments") or 1) - 1]
     sizes = Counter(r["group_id"] for r in rows)
     estimator, why = resolve_estimator(adv_estimator, list(sizes.values()), min_group_size)
     counts = Counter()
@@ -242,13 +249,25 @@ def load_episodes(manifest: RLDatasetManifest, adv_estimator: str = "grpo", norm
     token_rewards[torch.arange(len(signal_rows)), last] = rewards
     index = np.array([r["group_id"] for r in signal_rows], dtype=object)
     adv = _advantages(estimator, token_rewards, mask, index, norm_adv_by_std)
-    ep = signal_rows
-    lengths = [len(r["input_ids"]) - 1 for r in ep]
+    lengths = [len(r["input_ids"]) - 1 for r in signal_rows]
+    ep, ep_mask, ep_adv, ep_reward = [], [], [], []
+    for i, r in enumerate(signal_rows):
+        for seg in sorted(segments_of[r["episode_id"]], key=lambda s: s.get("segment") or 0):  # the last: `r`
+            if seg is r:
+                ep_mask.append(mask[i, :lengths[i]].clone())
+                ep_adv.append(adv[i, :lengths[i]].clone())
+            else:  # the episode's (outcome) advantage on this segment's own sampled tokens
+                m = torch.tensor(seg["assistant_mask"][1:], dtype=torch.float32)
+                ep_mask.append(m)
+                ep_adv.append(adv[i, last[i]] * m)
+            ep.append(seg)
+            ep_reward.append(float(r["reward"]))
+    counts["segment_rows"] = len(ep) - len(signal_rows)
     return Episodes(
         input_ids=[torch.tensor(r["input_ids"], dtype=torch.long) for r in ep],
-        loss_mask=[mask[i, :k].clone() for i, k in enumerate(lengths)],
+        loss_mask=ep_mask,
         behaviour_logprobs=[torch.tensor(r["behaviour_logprobs"][1:], dtype=torch.float32) for r in ep],
-        advantages=[adv[i, :k].clone() for i, k in enumerate(lengths)],
-        rewards=rewards, group_ids=[r["group_id"] for r in ep], counts=dict(counts),
+        advantages=ep_adv,
+        rewards=torch.tensor(ep_reward), group_ids=[r["group_id"] for r in ep], counts=dict(counts),
         temperatures=[torch.tensor(r["temperatures"][1:], dtype=torch.float32) for r in ep],
         estimator=estimator, estimator_reason=why)

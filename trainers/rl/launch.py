@@ -13,6 +13,7 @@ function in this process, without Ray.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -82,14 +83,19 @@ def run_training(job: TrainJob, ray_cfg: RayConfig, report: Callable[[int, dict]
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
-    from ray.util.queue import Queue
+    from ray.util.queue import Empty, Queue
+
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     ensure_ray(ray_cfg)
-    queue = Queue()
+    # the metrics relay lives on this process's node: a worker node lost mid-step must not take it along
+    queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(
+        ray.get_runtime_context().get_node_id(), soft=True)})
     trainer = TorchTrainer(
         _worker, train_loop_config={"job": job, "queue": queue},
         scaling_config=ScalingConfig(num_workers=rl.num_workers, use_gpu=rl.use_gpu,
-                                     resources_per_worker=None if rl.use_gpu else {"CPU": 1}),
+                                     resources_per_worker=None if rl.use_gpu else {"CPU": 1},
+                                     placement_strategy=rl.placement),
         torch_config=TorchConfig(backend="nccl" if rl.use_gpu else "gloo"),
         run_config=RunConfig(name=f"train-{Path(job.out_dir).name}",
                              storage_path=str(Path(job.out_dir).resolve().parent / ".ray-train")))
@@ -103,17 +109,46 @@ def run_training(job: TrainJob, ray_cfg: RayConfig, report: Callable[[int, dict]
 
     thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
     thread.start()
-    while thread.is_alive() or not queue.empty():
+    relay = True
+    while relay:
         try:
+            if not thread.is_alive() and queue.empty():
+                break
             step, metrics = queue.get(timeout=0.5)
-        except Exception:  # ray.util.queue.Empty
+        except Empty:  # (a RayError as well, raised in the relay actor: first)
+            continue
+        except ray.exceptions.RayError:  # the relay is gone: the job's own outcome says why
+            relay = False
             continue
         report(step, metrics)
     thread.join()
-    ray.kill(queue.actor)
+    if relay:
+        ray.kill(queue.actor)
     if "error" in done:
-        raise RuntimeError(f"training on Ray failed: {done['error']}") from done["error"]
+        raise TrainingFailed(_why(done["error"])) from done["error"]
     return load_checkpoint(job.out_dir)
+
+
+class TrainingFailed(RuntimeError):
+    """The training phase failed on Ray (a worker died, its node left the cluster, the step raised);
+    nothing was written (rank 0 writes the checkpoint last, renamed into place)."""
+
+
+def _why(error: BaseException) -> str:
+    """What went wrong, a lost worker or node said first: each rank's error (Ray Train's snippets,
+    their last line), else the first line of each exception in the chain Ray wraps."""
+    chain, e = [], error
+    while e is not None and len(chain) < 8:
+        chain.append(f"{type(e).__name__}: {e}")
+        e = e.__cause__ or e.__context__
+    text = "\n".join(chain)
+    died = any(k in text for k in ("ActorDiedError", "NodeDiedError", "health check failed", "node has died",
+                                   "Connection reset by peer"))
+    ranks = re.findall(r"\[Rank (\d+) Error Snippet\]:\n(?:Traceback \(most recent call last\):\n(?:[ \t][^\n]*\n)*)?"
+                       r"([^\n]+)", text)
+    detail = "; ".join(f"rank {r}: {line[:200]}" for r, line in ranks) or " <- ".join(
+        (c.splitlines() or [""])[0][:300] for c in chain)
+    return "training on Ray failed: " + ("a worker died or its node left the cluster: " if died else "") + detail
 
 
 def _worker(config: dict) -> None:
@@ -128,4 +163,5 @@ def _worker(config: dict) -> None:
     torch.set_num_threads(threads)
     queue = config["queue"]
     report = (lambda step, metrics: queue.put((step, metrics))) if rank == 0 else (lambda step, metrics: None)
-    train(job, report, rank=rank, world=world, device=str(ray.train.torch.get_device()))
+    train(job, report, rank=rank, world=world, device=str(ray.train.torch.get_device()),
+          node=ray.get_runtime_context().get_node_id())

@@ -32,6 +32,7 @@ class PolicyCheckpoint:
     created_at: str = ""
     adv_estimator: str = ""  # the verl estimator the advantages came from (`auto` resolved on the data)
     adv_estimator_reason: str = ""
+    nodes: list[str] = field(default_factory=list)  # where each rank ran (Ray node ids; "" outside Ray)
     kind: str = "policy_checkpoint"
     schema_version: int = SCHEMA_VERSION
 

@@ -81,8 +81,9 @@ def prepare_policy(parent: str, rl: RLConfig, spec: dict | None, full_precision:
 
 
 def train(job: TrainJob, report: Callable[[int, dict], None] = lambda step, m: None, rank: int = 0,
-          world: int = 1, device: str = "cpu") -> PolicyCheckpoint | None:
-    """Run the job; rank 0 saves and returns the manifest (other ranks return None)."""
+          world: int = 1, device: str = "cpu", node: str = "") -> PolicyCheckpoint | None:
+    """Run the job; rank 0 saves and returns the manifest (other ranks return None). `node`: where
+    this rank runs (the manifest lists every rank's)."""
     from trainers.qat import fake_quant_once
 
     t_start = time.perf_counter()
@@ -147,9 +148,13 @@ def train(job: TrainJob, report: Callable[[int, dict], None] = lambda step, m: N
         bar.set_postfix(loss=f"{metrics['loss']:.4f}", reward=f"{metrics['reward/mean']:.2f}")
     bar.close()
     divergence = rank_divergence(params, world)
+    nodes = [node]
+    if world > 1:
+        nodes = [""] * world
+        torch.distributed.all_gather_object(nodes, node)
     if rank != 0:
         return None
-    return save(model, job, episodes, history, time.perf_counter() - t_start, world, divergence)
+    return save(model, job, episodes, history, time.perf_counter() - t_start, world, divergence, nodes)
 
 
 def minibatch_plan(group_ids: list[str], rl: RLConfig, world: int) -> list[tuple[int, torch.Tensor]]:
@@ -280,7 +285,7 @@ def reduce_metrics(metrics: dict[str, float], tokens: int, world: int) -> dict[s
 
 
 def save(model, job: TrainJob, episodes: Episodes, history: list[dict], seconds: float, world: int,
-         divergence: float = 0.0) -> PolicyCheckpoint:
+         divergence: float = 0.0, nodes: list[str] = ()) -> PolicyCheckpoint:
     """The latent weights (a QAT-prepared model saves its full-precision Parameters under the
     usual keys), the parent's tokenizer files, then the manifest; renamed into place."""
     out = Path(job.out_dir)
@@ -301,7 +306,7 @@ def save(model, job: TrainJob, episodes: Episodes, history: list[dict], seconds:
             metrics={**summarize(history, seconds), "ranks_max_param_diff": divergence},
             wall_seconds=round(seconds, 2), world_size=world, files=files,
             created_at=datetime.now(timezone.utc).isoformat(), adv_estimator=episodes.estimator,
-            adv_estimator_reason=episodes.estimator_reason)
+            adv_estimator_reason=episodes.estimator_reason, nodes=list(nodes))
         save_manifest(manifest, tmp)
         tmp.rename(out)
     except BaseException:

@@ -3,7 +3,7 @@ its own tool loop) played through the plugin runner against a real server. Its t
 parsed by the server (hermes), the SDK runs the tool and sends the result back (multi-turn), every
 request of an episode is traced under its one episode id with turns 0..n-1, and turns the
 framework re-sent as text that re-tokenize differently from what was sampled are counted, in the
-traces and in the dataset's manifest, and never trained on."""
+traces and in the dataset's manifest, and kept as segments: every trained token is a sampled one."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 pytest.importorskip("agents", reason="the OpenAI Agents SDK (pip install openai-agents: the `examples` extra)")
@@ -61,7 +62,14 @@ def test_an_agents_sdk_agent_plays_through_the_endpoint(srv_main, tiny_base, tmp
     m = build_dataset(DatasetConfig(trace_root=Path(srv_main.trace_root), out_dir=tmp_path / "ds",
                                     tokenizer=tiny_base.path, since=since, heldout_fraction=0.0,
                                     feedback_mode="override"))
-    assert m.dropped_episodes.get("misaligned", 0) == len(misaligned)  # counted, none of their tokens trained
+    ok = {e.episode_id for e in episodes if e.status == "ok"}
+    assert not m.dropped_episodes.get("misaligned") and m.split_episodes == len(misaligned & ok)  # counted, kept
     assert not m.dropped_episodes.get("missing_turn")  # retried requests kept their turn
-    assert m.train_episodes == sum(e.status == "ok" for e in episodes) - len(misaligned & {
-        e.episode_id for e in episodes if e.status == "ok"})
+    assert m.train_episodes == len(ok) + m.segment_rows - m.split_episodes  # a row per segment
+    for f in m.files_of("train"):
+        for row in pq.read_table(f).to_pylist():  # every trained token is one the server sampled and logged
+            turns = by[row["episode_id"]]
+            mine = [t for t in turns  # the turns this row holds: each one's prompt + completion starts it
+                    if row["input_ids"][:len(t["prompt_token_ids"]) + len(t["completion_token_ids"])]
+                    == list(t["prompt_token_ids"]) + list(t["completion_token_ids"])]
+            assert sum(row["assistant_mask"]) == sum(len(t["completion_token_ids"]) for t in mine) > 0

@@ -1,7 +1,7 @@
 """End to end: the collector plays 2 groups x 4 calculator episodes against the real server (the
 shared `srv_main`), then the dataset build turns the server's traces and feedback into samples.
 Every kept episode holds exactly the tokens and behaviour logprobs the server returned to the
-client, masks cover exactly the sampled tokens, and planted bad traces (a misaligned turn, an
+client, masks cover exactly the sampled tokens, and planted traces (a re-tokenized turn: kept as segments, an
 episode without a reward, a duplicated row) are dropped and counted.
 
 This file lives beside the server tests to share their server (one engine per session); the
@@ -70,8 +70,10 @@ def test_collect_through_the_server_then_build_the_dataset(srv_main, tiny_tokeni
     m = build_dataset(DatasetConfig(trace_root=root, out_dir=tmp_path / "ds", tokenizer=str(tiny_base.path),
                                     heldout_fraction=0.0, logprobs_mode="processed_logprobs"))
     assert m.dropped_rows == {"duplicate_trace": 1, "duplicate_turn": 0, "status_not_ok": 0}
-    assert m.dropped_episodes == {"misaligned": 1, "missing_reward": 1}
-    assert m.train_episodes == 8 and m.groups == 2
+    assert m.dropped_episodes == {"missing_reward": 1}
+    # the re-tokenized copy: kept as two rows (segments), each exactly as sampled
+    assert (m.split_episodes, m.segment_rows) == (1, 2)
+    assert m.train_episodes == 8 + 2 and m.groups == 3
     out = {row["episode_id"]: row for f in m.files_of("train") for row in pq.read_table(f).to_pylist()}
     for ep in results:
         row, last = out[ep.episode_id], ep.turns[-1]
