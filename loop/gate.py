@@ -257,7 +257,8 @@ def validate_phase(cfg, cand: Candidate, ep, run_dir: Path, tags: dict | None = 
     serving_v = registry.ensure_registered(status["path"], tags={
         "stack": status["stack"], "checkpoint_sha256": status["checkpoint_sha256"],
         "server_weight_version": status["weight_version"], "format": status["stack"].get("quant_format", ""),
-        "fp_path": fp_of(status["path"]) or "", "status": "serving"}, run_id=mlflow.active_run().info.run_id)
+        "fp_path": fp_of(status["path"]) or "", "status": "serving"},
+        run_id=None if mlflow.active_run() is None else mlflow.active_run().info.run_id)  # (a server needs one)
     seqs = heldout(cfg, cand.dataset)
     regate_on_stack_change(cfg, registry, serving_v, status, seqs, run_dir)
     with start_run(cfg, "validate", tags={"phase": "validate", "candidate": cand.path, "serving": status["path"],
