@@ -21,6 +21,8 @@ chat completions; a Task here plays token-in/token-out through the loop's collec
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 
@@ -52,6 +54,24 @@ class Task(Protocol):
     def demonstration(self, problem: Problem) -> list[dict]: ...
 
     def problem_of(self, question: str) -> Problem | None: ...
+
+
+@dataclass(frozen=True, eq=False)  # hashed by identity: rewards cache problems per task
+class FunctionTask:
+    """A `Task` made of a module's functions (the built-in tasks are; yours may be)."""
+
+    name: str
+    tools: list[dict]
+    max_turns: int
+    max_tokens: int
+    feedback_source: str
+    problems: Callable[..., list]  # (split, n, seed=0)
+    env: Callable  # (problem) -> Env
+    reward: Callable[[Any, list[dict]], float]
+    demonstration: Callable[[Any], list[dict]]
+    problem_of: Callable[[str], Any]
+    partial_credit: Callable[[list[dict]], bool] | None = None  # pipelines.rewards.shaped_task_reward's 0.2
+    version: int | None = None  # bumped when problems or demonstrations change (the bootstrap's cache key)
 
 
 BUILT_IN = {"calculator": "rollout.tasks.calculator:TASK", "sql": "rollout.tasks.sql:TASK"}

@@ -20,8 +20,10 @@ import json
 import operator
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from rollout.tasks import FunctionTask
 
 SYSTEM_PROMPT = "Use the calculator tool, then give the answer."
 
@@ -221,35 +223,12 @@ class _Calculator:
             return f"error: {e}"
 
 
-@dataclass(frozen=True, eq=False)  # hashed by identity (rewards cache problems per task)
-class CalculatorTask:
-    """This module as a `rollout.tasks.Task`."""
-
-    name: str = "calculator"
-    tools: list = field(default_factory=lambda: TOOLS)
-    max_turns: int = 2
-    max_tokens: int = 48
-    feedback_source: str = "env:calculator"
-
-    def problems(self, split: str, n: int, seed: int | str = 0) -> list[Problem]:
-        return make_problems(split, n, seed)
-
-    def env(self, problem: Problem) -> _Calculator:
-        return _Calculator()
-
-    def reward(self, problem: Problem, messages: list[dict]) -> float:
-        return reward(problem, messages)
-
-    def demonstration(self, problem: Problem) -> list[dict]:
-        return demonstration(problem)
-
-    def problem_of(self, question: str) -> Problem | None:
-        return problem_from_question(question)
-
-    def partial_credit(self, messages: list[dict]) -> bool:
-        """A well-formed first call (the shaped reward's 0.2, pipelines.rewards.shaped_task_reward)."""
-        first = next((m for m in messages if m["role"] == "assistant"), None)
-        return first is not None and parse_calculator_call(first.get("tool_calls")) is not None
+def partial_credit(messages: list[dict]) -> bool:
+    """A well-formed first call (the shaped reward's 0.2, pipelines.rewards.shaped_task_reward)."""
+    first = next((m for m in messages if m["role"] == "assistant"), None)
+    return first is not None and parse_calculator_call(first.get("tool_calls")) is not None
 
 
-TASK = CalculatorTask()
+TASK = FunctionTask("calculator", TOOLS, max_turns=2, max_tokens=48, feedback_source="env:calculator",
+                    problems=make_problems, env=lambda problem: _Calculator(), reward=reward,
+                    demonstration=demonstration, problem_of=problem_from_question, partial_credit=partial_credit)

@@ -28,10 +28,10 @@ import json
 import random
 import re
 import sqlite3
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
-from rollout.tasks import parse_arguments
+from rollout.tasks import FunctionTask, parse_arguments
 
 SYSTEM_PROMPT = "Answer from the shop's database: find its sales table, read its columns, query it, then answer."
 
@@ -238,31 +238,7 @@ def reward(problem: Problem, messages: list[dict]) -> float:
     return float(m is not None and int(m.group(1)) == problem.answer)
 
 
-@dataclass(frozen=True, eq=False)  # hashed by identity (rewards cache problems per task)
-class SQLTask:
-    """This module as a `rollout.tasks.Task`."""
-
-    name: str = "sql"
-    version: int = 2  # 2: one schema for every shop (the bootstrap's cache key holds it)
-    tools: list = field(default_factory=lambda: TOOLS)
-    max_turns: int = 5  # the demonstration's 4, and one to recover from an error
-    max_tokens: int = 64
-    feedback_source: str = "env:sql"
-
-    def problems(self, split: str, n: int, seed: int | str = 0) -> list[Problem]:
-        return make_problems(split, n, seed)
-
-    def env(self, problem: Problem) -> ShopEnv:
-        return ShopEnv(problem.shop)
-
-    def reward(self, problem: Problem, messages: list[dict]) -> float:
-        return reward(problem, messages)
-
-    def demonstration(self, problem: Problem) -> list[dict]:
-        return demonstration(problem)
-
-    def problem_of(self, question: str) -> Problem | None:
-        return problem_from_question(question)
-
-
-TASK = SQLTask()
+TASK = FunctionTask("sql", TOOLS, max_turns=5,  # the demonstration's 4, and one to recover from an error
+                    max_tokens=64, feedback_source="env:sql", problems=make_problems,
+                    env=lambda problem: ShopEnv(problem.shop), reward=reward, demonstration=demonstration,
+                    problem_of=problem_from_question, version=2)  # 2: one schema for every shop

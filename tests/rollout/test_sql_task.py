@@ -95,8 +95,8 @@ def test_the_collectors_episode_loop_plays_the_demonstration_token_in_token_out(
 def test_tasks_load_by_name_or_from_your_module(tmp_path, monkeypatch):
     assert load_task("sql") is TASK and load_task("calculator").name == "calculator"
     (tmp_path / "my_tasks.py").write_text(
-        "from rollout.tasks.calculator import CalculatorTask\n"
-        "MINE = CalculatorTask(name='mine', max_turns=3)\n"
+        "import dataclasses\nfrom rollout.tasks.calculator import TASK\n"
+        "MINE = dataclasses.replace(TASK, name='mine', max_turns=3)\n"
         "HALF = object()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert load_task("my_tasks:MINE").max_turns == 3
