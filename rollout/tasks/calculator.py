@@ -229,6 +229,10 @@ def partial_credit(messages: list[dict]) -> bool:
     return first is not None and parse_calculator_call(first.get("tool_calls")) is not None
 
 
+def env(problem: Problem) -> _Calculator:
+    return _Calculator()
+
+
 TASK = FunctionTask("calculator", TOOLS, max_turns=2, max_tokens=48, feedback_source="env:calculator",
-                    problems=make_problems, env=lambda problem: _Calculator(), reward=reward,
+                    problems=make_problems, env=env, reward=reward,
                     demonstration=demonstration, problem_of=problem_from_question, partial_credit=partial_credit)

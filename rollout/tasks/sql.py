@@ -238,7 +238,11 @@ def reward(problem: Problem, messages: list[dict]) -> float:
     return float(m is not None and int(m.group(1)) == problem.answer)
 
 
+def env(problem: Problem) -> ShopEnv:
+    return ShopEnv(problem.shop)
+
+
 TASK = FunctionTask("sql", TOOLS, max_turns=5,  # the demonstration's 4, and one to recover from an error
                     max_tokens=64, feedback_source="env:sql", problems=make_problems,
-                    env=lambda problem: ShopEnv(problem.shop), reward=reward, demonstration=demonstration,
+                    env=env, reward=reward, demonstration=demonstration,
                     problem_of=problem_from_question, version=2)  # 2: one schema for every shop
