@@ -108,6 +108,7 @@ class _Tagged:
             if request.headers.get("x-stainless-retry-count", "0") != "0" and self.turn > 0:
                 self.turn -= 1
             request.headers["x-flywheel-episode-id"] = self.episode_id
+            request.headers["x-session-id"] = self.episode_id  # a router's key: one episode, one replica
             request.headers["x-flywheel-turn"] = str(self.turn)
             self.turn += 1
 

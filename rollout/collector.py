@@ -7,7 +7,8 @@ but over HTTP: `POST /v1/completions` with token-id prompts, so turn k+1's promp
 k's prompt + the sampled ids + the rendered tool results (from the episode's own
 environment, `task.env`), and nothing is re-tokenized. Sampling is
 top-p 1 and no top-k, so the logged logprobs are those of the sampling distribution. Every request
-carries `episode_id`/`turn`; the episodes' rewards go to `POST /v1/feedback` (each on its last
+carries `episode_id`/`turn` (and the episode id as `X-Session-ID`, so a router that hashes it,
+vllm-router's consistent_hash, keeps every turn of an episode on one replica and its prefix cache); the episodes' rewards go to `POST /v1/feedback` (each on its last
 turn's trace, with `episode_id`; one array per group, once the group has finished), so the trace
 store holds everything the dataset build needs.
 
@@ -222,7 +223,7 @@ async def _complete(client: aiohttp.ClientSession, cfg: CollectorConfig, prompt:
     body = {"model": cfg.model, "prompt": prompt, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature,
             "top_p": 1.0, "top_k": 0, "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
             "episode_id": episode_id, "turn": turn}
-    r, attempts = await _post(client, cfg, "/v1/completions", body, counters)
+    r, attempts = await _post(client, cfg, "/v1/completions", body, counters, {"x-session-id": episode_id})
     try:
         choice = r.json()["choices"][0]
         ids = [int(t) for t in choice["token_ids"]]
@@ -282,8 +283,8 @@ class Reply:
         return json.loads(self.body)
 
 
-async def _post(client: aiohttp.ClientSession, cfg: CollectorConfig, path: str, body: dict | list, counters
-                ) -> tuple[Reply, int]:
+async def _post(client: aiohttp.ClientSession, cfg: CollectorConfig, path: str, body: dict | list, counters,
+                headers: dict[str, str] | None = None) -> tuple[Reply, int]:
     """POST with retries of transport errors, timeouts, 429 and 5xx; other 4xx fail at once."""
     url = cfg.base_url.rstrip("/") + path
     last = ""
@@ -293,7 +294,7 @@ async def _post(client: aiohttp.ClientSession, cfg: CollectorConfig, path: str, 
         counters["requests"] += 1
         wait = cfg.retry_backoff_s * 2 ** attempt * (0.5 + random.random())
         try:
-            async with client.post(url, json=body) as resp:
+            async with client.post(url, json=body, headers=headers) as resp:
                 r = Reply(resp.status, {k.lower(): v for k, v in resp.headers.items()}, await resp.read())
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             last = f"{type(e).__name__}: {e}"

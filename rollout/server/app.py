@@ -85,7 +85,7 @@ def build_server_app(args, inner, cfg: ServeConfig, model: str, supported_tasks,
     draft = cfg.speculative.draft_model if cfg.speculative.method == "draft" else None
     root = Path(cfg.trace_root)
     # the start takes a number too: past cfg.weight_version and every number this trace root used
-    ledger = VersionLedger(root / LEDGER, start=cfg.weight_version)
+    ledger = VersionLedger(root / LEDGER, start=cfg.weight_version, shared=cfg.replica is not None)
     sha, path = checkpoint_sha256(model), str(Path(model).resolve())
     engine = TracingEngine(inner, WeightState(ledger.allocate(sha, path, "start"), path, sha,
                                               str(Path(draft).resolve()) if draft else None), metrics)

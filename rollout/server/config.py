@@ -98,6 +98,8 @@ class ServeConfig:
     # later checkpoint starts past the versions its trace root already holds (the loop's resume),
     # so a weight version names one checkpoint in the traces.
     weight_version: int = 0
+    # This server's name in a fleet, written in each trace row's `replica` (None: host:port).
+    replica: str | None = None
 
     def __post_init__(self):
         if self.admin_token is not None:

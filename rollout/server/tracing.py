@@ -4,7 +4,9 @@ One row per engine request: a chat request is one; a completions request with k 
 rows (the first carries the request's trace id, the others `<trace_id>-<i>`). A request that
 failed before reaching the engine (a 4xx) is one row with no tokens and status "error".
 `episode_id`/`turn` come from the body (`episode_id`, `turn`, e.g. the openai client's
-`extra_body`) or the headers `x-flywheel-episode-id` / `x-flywheel-turn`.
+`extra_body`) or the headers `x-flywheel-episode-id` / `x-flywheel-turn`; a request with neither
+takes its episode from `X-Session-ID`, the header a router keeps a session on one replica by.
+Each row names the replica that answered (`serve.replica`) and its trace writer.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def _turn(req: dict, headers: dict) -> int | None:
 
 
 def _episode(req: dict, headers: dict) -> str | None:
-    v = req.get("episode_id", headers.get("x-flywheel-episode-id"))
+    v = req.get("episode_id", headers.get("x-flywheel-episode-id", headers.get("x-session-id")))
     return str(v) if v not in (None, "") else None
 
 
@@ -102,6 +104,7 @@ def build_traces(ctx: RequestContext, req: dict, headers: dict, parser: OutputPa
         messages=json.dumps(messages), tools=json.dumps(req["tools"]) if req.get("tools") else None,
         episode_id=_episode(req, headers), turn=_turn(req, headers), e2e_ms=e2e_ms,
         speculator_version=f"draft:{w.draft_path}" if w.draft_path else st.speculator_version,
+        replica=st.cfg.replica or f"{st.cfg.host}:{st.cfg.port}", writer_id=getattr(st.writer, "writer_id", None),
     )
     records = ctx.records or [GenRecord(request_id=ctx.trace_id, weight_version=w.version,
                                         checkpoint_sha256=w.checkpoint_sha256,

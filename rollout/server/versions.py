@@ -8,10 +8,17 @@ version served traffic (a "keep" swap's canary) burns its number, and the next s
 after, so a trace's `weight_version` never names two checkpoints. The file is append-only JSON
 lines (version, checkpoint sha256, path, event, time), kept beside the traces it numbers, so a
 restarted server, or the loop choosing a start version, continues past every number ever used.
+
+Replicas of a fleet share the trace root and so the ledger (appends under an flock). A fleet is one
+policy: its replicas serving one checkpoint carry one number (`shared=True`, what a server with
+`serve.replica` set uses). A replica that starts on, or drain-swaps to, a checkpoint another replica
+already numbered (>= `at_least`: never backwards) takes that number; a number a "keep" swap or a
+second engine handed out is never taken again.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import threading
@@ -19,6 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 LEDGER = "weight_versions.jsonl"
+SHAREABLE = ("start", "swap")  # events whose number a fleet's other replicas take for the same checkpoint
 
 
 def read_ledger(path: str | Path) -> list[dict]:
@@ -41,16 +49,23 @@ def next_free(path: str | Path) -> int:
 
 
 class VersionLedger:
-    def __init__(self, path: str | Path, start: int = 0):
+    def __init__(self, path: str | Path, start: int = 0, shared: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.start, self.shared = start, shared
         self._lock = threading.Lock()
-        self._next = max(start, next_free(self.path))
 
     def allocate(self, sha: str, path: str, event: str, at_least: int = 0) -> int:
-        """A number never handed out before (and >= `at_least`), recorded durably for (`sha`, `path`) first."""
-        with self._lock:
-            v = max(self._next, at_least)
+        """A number for (`sha`, `path`), recorded durably first: never handed out before (and
+        >= `at_least`), or with `shared`, the fleet's number for `sha` when one exists."""
+        with self._lock, open(self.path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # the fleet's replicas append to one ledger
+            entries = read_ledger(self.path)
+            if self.shared and event in SHAREABLE:
+                for e in reversed(entries):
+                    if e["checkpoint_sha256"] == sha and e["event"] in SHAREABLE and e["version"] >= max(at_least, self.start):
+                        return int(e["version"])
+            v = max(self.start, at_least, max((int(e["version"]) for e in entries), default=-1) + 1)
             entry = {"version": v, "checkpoint_sha256": sha, "path": path, "event": event,
                      "at": datetime.now(timezone.utc).isoformat()}
             with open(self.path, "a") as f:
@@ -58,5 +73,4 @@ class VersionLedger:
                 f.write(("\n" if torn else "") + json.dumps(entry) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-            self._next = v + 1
             return v

@@ -92,7 +92,7 @@ class PartitionedLog:
         self.table_dir, self.wal_root, self.tmp_root = root / name, root / "_wal" / name, root / "_tmp" / name
         for d in (self.table_dir, self.wal_root, self.tmp_root):
             make_dirs(d)
-        writer_id = uuid.uuid4().hex[:16]
+        self.writer_id = writer_id = uuid.uuid4().hex[:16]
         self.wal_dir, self.tmp_dir = self.wal_root / writer_id, self.tmp_root / writer_id
         self._lock_fd = create_locked_dir(self.wal_dir)
         self.tmp_dir.mkdir()

@@ -92,6 +92,10 @@ TRACE_SCHEMA = pa.schema([
     ("num_cached_prompt_tokens", pa.int32()),
     ("spec_draft_tokens", pa.int32()),
     ("spec_accepted_tokens", pa.int32()),
+    # which server of a fleet answered (`serve.replica`) and which trace writer process wrote the
+    # row: several replicas share one trace root. Added in place, nullable: older files read null.
+    ("replica", pa.string()),
+    ("writer_id", pa.string()),
     ("schema_version", pa.int16()),
 ])
 TRACE_PARTITION_COLS = ("date", "weight_version")
@@ -197,6 +201,8 @@ class Trace:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     completion_weight_versions: list[int] | None = None  # per completion token, when they differ
+    replica: str | None = None  # the server of a fleet that answered (serve.replica)
+    writer_id: str | None = None  # the trace writer (one per server process)
 
     def __post_init__(self):
         for name in ("trace_id", "request_id", "model"):

@@ -118,6 +118,11 @@ class TraceWriter:
         self._log.put(trace.to_row(), None)
 
     @property
+    def writer_id(self) -> str:
+        """This writer's id (its WAL directory's name), written in each of its rows."""
+        return self._log.writer_id
+
+    @property
     def failure(self) -> str | None:
         """Why traces are not being made durable now (None: they are)."""
         return self._log.failure
