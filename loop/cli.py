@@ -37,10 +37,25 @@ def _parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_)
         sp.add_argument("config", help="a YAML file under conf/")
         sp.add_argument("overrides", nargs="*", help="Hydra-style overrides: key.sub=value")
+        if name == "serve":
+            sp.add_argument("--replicas", type=int, default=None, help="N servers behind vllm-router (serve.replicas)")
         if name == "ui":
             sp.add_argument("--port", type=int, default=5000)
             sp.add_argument("--host", default="127.0.0.1")
     return p
+
+
+def _replicas_flag(argv: list[str]) -> list[str]:
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--replicas" and i + 1 < len(argv):
+            out.append(f"serve.replicas={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(f"serve.replicas={a.split('=', 1)[1]}" if a.startswith("--replicas=") else a)
+        i += 1
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         from loop.manual import rollback_main, validate_main
 
         return (validate_main if argv[0] == "validate" else rollback_main)(argv[1:])
+    if argv[:1] == ["serve"]:  # `--replicas N` anywhere among the overrides: serve.replicas=N
+        argv = _replicas_flag(argv)
     args = _parser().parse_args(argv)
     from loop.config import load_config
 
@@ -92,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         except (ConfigError, ValueError) as e:
             print(f"config error: {args.config}: {e}", file=sys.stderr)
             return 2
+        if cfg.serve.replicas > 1:  # the replicas load the folder resolved (and quantized) here, once
+            from rollout.server.fleet import serve_fleet
+
+            return serve_fleet(args.config, [*args.overrides, f"serve.model={served.path}"], cfg.serve)
         serve(cfg.serve, engine_for(cfg, served), served.path)
         return 0
     from loop.run import bootstrap_phase, run

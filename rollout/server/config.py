@@ -100,6 +100,9 @@ class ServeConfig:
     weight_version: int = 0
     # This server's name in a fleet, written in each trace row's `replica` (None: host:port).
     replica: str | None = None
+    # `loop serve` with replicas > 1: that many servers on free loopback ports behind vllm-router
+    # on host:port (consistent hashing on X-Session-ID; rollout/server/fleet.py)
+    replicas: int = 1
 
     def __post_init__(self):
         if self.admin_token is not None:
@@ -110,6 +113,8 @@ class ServeConfig:
             raise ValueError(f"weight_version must be an int >= 0, got {self.weight_version!r}")
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"replicas must be an int >= 1, got {self.replicas!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         for name in ("max_queue", "max_body_bytes"):

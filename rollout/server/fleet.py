@@ -47,15 +47,16 @@ def core_slices(n: int, cores: list[int] | None = None) -> list[str | None]:
 
 
 class RouterProcess:
-    """vllm-router over `worker_urls` in a child process (its own process group), on 127.0.0.1."""
+    """vllm-router over `worker_urls` in a child process (its own process group)."""
 
     def __init__(self, worker_urls: list[str], log_path: str | Path, policy: str = "consistent_hash",
-                 port: int | None = None, health_interval_s: int = 1, startup_timeout_s: int = 600):
+                 host: str = "127.0.0.1", port: int | None = None, health_interval_s: int = 1,
+                 startup_timeout_s: int = 600):
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{self.port}"
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.cmd = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
+        self.cmd = [sys.executable, "-m", "vllm_router.launch_router", "--host", host, "--port", str(self.port),
                     "--worker-urls", *worker_urls, "--policy", policy,
                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                     "--health-check-interval-secs", str(health_interval_s), "--health-failure-threshold", "2",
@@ -112,25 +113,38 @@ class Fleet:
 
     def __init__(self, config: str | Path, model: str | Path, trace_root: str | Path, log_dir: str | Path,
                  replicas: int = 2, overrides: list[str] = (), env: dict | None = None, admin_token: str | None = None,
-                 policy: str = "consistent_hash"):
+                 policy: str = "consistent_hash", router_host: str = "127.0.0.1", router_port: int | None = None):
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
-        self.log_dir, self.policy = Path(log_dir), policy
+        self.log_dir, self.policy, self.router_host, self.router_port = Path(log_dir), policy, router_host, router_port
         self.admin_token = admin_token or secrets.token_hex(16)
-        binds = core_slices(replicas)
-        self.servers: list[ServerProcess] = []
-        for i, bind in enumerate(binds):  # all start at once; each engine takes ~30 s here
-            e = {**(env or {}), **({"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {})}
-            self.servers.append(ServerProcess(config, model, trace_root, self.log_dir / f"replica-{i}.log",
-                                              overrides=[*overrides, f"serve.replica=r{i}"], env=e,
-                                              admin_token=self.admin_token))
+        self._start = dict(config=config, model=model, trace_root=trace_root, overrides=list(overrides), env=env or {})
+        self.binds = core_slices(replicas)
+        self.servers = [self._server(i) for i in range(replicas)]  # all start at once; ~30 s each here
         self.router: RouterProcess | None = None
+
+    def _server(self, i: int, port: int | None = None) -> ServerProcess:
+        a = self._start
+        env = {**a["env"], **({"VLLM_CPU_OMP_THREADS_BIND": self.binds[i]} if self.binds[i] else {})}
+        return ServerProcess(a["config"], a["model"], a["trace_root"], self.log_dir / f"replica-{i}.log",
+                             overrides=[*a["overrides"], f"serve.replica=r{i}"], env=env,
+                             admin_token=self.admin_token, port=port)
+
+    def restart(self, i: int) -> ServerProcess:
+        """Replica `i` again, on its port (the router's health check takes it back), as a
+        supervisor would restart it: its trace writer adopts the WAL the dead one left, so every
+        trace it had committed reaches the table. Serves the checkpoint the fleet started on."""
+        old = self.servers[i]
+        old.stop()
+        self.servers[i] = self._server(i, port=old.port).wait_healthy()
+        return self.servers[i]
 
     def __enter__(self) -> "Fleet":
         try:
             for s in self.servers:
                 s.wait_healthy()
-            self.router = RouterProcess([s.url for s in self.servers], self.log_dir / "router.log", self.policy)
+            self.router = RouterProcess([s.url for s in self.servers], self.log_dir / "router.log", self.policy,
+                                        host=self.router_host, port=self.router_port)
             self.router.wait_ready()
             return self
         except BaseException:
@@ -158,3 +172,31 @@ class Fleet:
             self.router.stop()
         for s in self.servers:
             s.stop()
+
+
+def serve_fleet(config: str | Path, overrides: list[str], serve_cfg) -> int:
+    """`loop serve` with `serve.replicas` > 1: the replicas and the router on serve.host:port, until
+    SIGINT/SIGTERM. The replicas' admin token is the one the config resolves (or a fresh one,
+    printed nowhere: then the fleet has no admin API for you); a replica that dies is reported."""
+    stop = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.append(1))
+    log_dir = Path(serve_cfg.trace_root).parent / "fleet-logs"
+    fleet = Fleet(config, serve_cfg.model, serve_cfg.trace_root, log_dir, serve_cfg.replicas,
+                  overrides=[o for o in overrides if not o.startswith(("serve.replicas=", "serve.port=", "serve.host="))],
+                  admin_token=serve_cfg.resolved_admin_token(), router_host=serve_cfg.host, router_port=serve_cfg.port)
+    with fleet:
+        print(f"serving {serve_cfg.replicas} replicas behind vllm-router on {fleet.url} "
+              f"(replicas: {', '.join(s.url for s in fleet.servers)}; logs {log_dir})", flush=True)
+        dead: set[int] = set()
+        while not stop:
+            for i, s in enumerate(fleet.servers):
+                if i not in dead and s.proc.poll() is not None:
+                    dead.add(i)
+                    print(f"replica r{i} ({s.url}) exited with {s.proc.returncode}; the router routes around it "
+                          f"(log {s.log_path})", flush=True)
+            if fleet.router.proc.poll() is not None:
+                print(f"vllm-router exited with {fleet.router.proc.returncode} (log {fleet.router.log_path})", flush=True)
+                return 1
+            time.sleep(1)
+    return 0

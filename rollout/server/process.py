@@ -44,8 +44,9 @@ def _die_with_parent() -> None:
 
 class ServerProcess:
     def __init__(self, config: str | Path, model: str | Path, trace_root: str | Path, log_path: str | Path,
-                 overrides: list[str] = (), env: dict | None = None, admin_token: str | None = None):
-        self.port = free_port()
+                 overrides: list[str] = (), env: dict | None = None, admin_token: str | None = None,
+                 port: int | None = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.trace_root, self.log_path = Path(trace_root), Path(log_path)
         self.admin_token = admin_token or secrets.token_hex(16)
