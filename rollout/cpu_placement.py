@@ -30,6 +30,7 @@ import os
 from contextlib import contextmanager
 
 SPIN_ENV = "FLYWHEEL_ENGINE_CORE_SPIN_S"  # read by rollout.vllm_plugin in the engine core
+WORKER_SPIN_ENV = "FLYWHEEL_WORKER_SPIN_S"  # and in the workers, where set (a fleet's replicas)
 WORKER_NAME = "VLLM::Worker"  # vLLM's process title for its workers (their /proc/PID/comm)
 
 

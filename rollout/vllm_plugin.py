@@ -13,7 +13,10 @@ vLLM's shared-memory queues between the engine core and its workers:
 - In the engine core, how long a reader busy-waits on the workers' reply queue before it sleeps
   on the queue's notify socket: vLLM hard-codes 1 s (`SpinCondition(busy_loop_s=1)`), which on a
   CPU machine takes the cores the API server needs (see rollout/cpu_placement.py for the
-  numbers). The workers keep vLLM's spin: they are bound to their own cores.
+  numbers). The workers keep vLLM's spin, bound to their own cores, unless
+  `FLYWHEEL_WORKER_SPIN_S` is set too: a fleet's replicas on one machine (rollout/server/fleet.py)
+  put each replica's front end beside another replica's worker, whose 1 s spin after every step
+  took that core from it.
 - In the engine core and the workers, that a sleeping reader is woken. vLLM's writer notifies
   through a zmq PUB socket with a send high-water mark of 1, so a second notification sent soon
   after the first is dropped (measured on vLLM's queue: 0.3 ms apart, dropped every time; 3 ms
@@ -33,7 +36,7 @@ import logging
 import multiprocessing
 import os
 
-from rollout.cpu_placement import SPIN_ENV
+from rollout.cpu_placement import SPIN_ENV, WORKER_SPIN_ENV
 from rollout.vllm_cpu_spec import fix_cpu_expand
 
 log = logging.getLogger("flywheel")
@@ -54,7 +57,8 @@ def register() -> None:
         spin_s = float(value)
     except ValueError:
         raise ValueError(f"{SPIN_ENV} must be a number of seconds, got {value!r}") from None
-    patch_shm_queues(spin_s if name.startswith("EngineCore") else None)
+    worker_spin = os.environ.get(WORKER_SPIN_ENV)  # a fleet's replicas share cores: workers sleep too
+    patch_shm_queues(spin_s if name.startswith("EngineCore") else float(worker_spin) if worker_spin else None)
 
 
 def request_amx_tiles() -> bool:

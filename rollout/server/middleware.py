@@ -42,6 +42,19 @@ def _json_response(status: int, message: str, err_type: str, headers: list | Non
         {"type": "http.response.body", "body": body, "more_body": False}
 
 
+def _salted(scope, body: bytes, req: dict, version: int) -> tuple[dict, bytes]:
+    """The request with vLLM's `cache_salt` extended by the weight version it runs on: a prefix
+    computed under one version's weights is never reused under another's (a swap that keeps the
+    prefix cache, `clear_cache: false`, or a "keep" swap's later requests), while requests of one
+    version share their prefixes as before. A client's own salt stays a part of it."""
+    if not req or "prompt" not in req and "messages" not in req:
+        return scope, body
+    salt = f"{req['cache_salt']}|v{version}" if isinstance(req.get("cache_salt"), str) and req["cache_salt"] else f"v{version}"
+    body = json.dumps({**req, "cache_salt": salt}).encode()
+    headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+    return {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}, body
+
+
 def _tool_schema_problem(body: bytes) -> str | None:
     """vLLM accepts any `parameters` unless a tool is strict; reject ones that are no JSON Schema."""
     if b'"tools"' not in body:
@@ -128,8 +141,6 @@ class FlywheelMiddleware:
         finished = [False]
         trace_id_hdr = (b"x-flywheel-trace-id", ctx.trace_id.encode())
 
-        replay = _replay(body, receive)
-
         commit = st.writer.cfg.durability == "commit"
         held_start: list = [None]  # commit mode, non-streamed: the status waits for the commit
         refused = [False]  # the trace could not be committed and the client was told: send no more
@@ -193,7 +204,8 @@ class FlywheelMiddleware:
         try:
             async with st.engine.gate.admit():  # waits while a hot-swap runs; held to the last byte
                 ctx.weights = st.engine.weights
-                await self.app(scope, replay, send_wrapped)
+                scope, salted = _salted(scope, body, req, ctx.weights.version)
+                await self.app(scope, _replay(salted, receive), send_wrapped)
         except GateFailed as e:  # a failed swap left unknown weights: refuse, never serve them
             for message in _json_response(503, str(e), "ServiceUnavailableError"):
                 await send_wrapped(message)

@@ -7,6 +7,7 @@ is lost once the replica restarts and adopts its WAL)."""
 from __future__ import annotations
 
 import signal
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -29,7 +30,9 @@ def fleet(tiny_base, tiny_cfg, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("fleet")
     with Fleet(REPO / "conf" / "tiny.yaml", tiny_base.path, root / "data", root / "logs", replicas=2,
-               overrides=[f"bootstrap.cache_dir={tiny_cfg.bootstrap.cache_dir}", "serve.quant=none"]) as f:
+               overrides=[f"bootstrap.cache_dir={tiny_cfg.bootstrap.cache_dir}", "serve.quant=none",
+                          f"serve.weights_roots=[{tempfile.gettempdir()},{REPO / '.cache'}]", "serve.drain_timeout_s=30"],
+               episode_idle_s=5.0) as f:
         yield f
 
 
@@ -144,3 +147,119 @@ def httpx_ok(url: str) -> bool:
         return httpx.get(url + "/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+class Load:
+    """Episodes (the collector) and streaming completions against the fleet until stopped."""
+
+    def __init__(self, fleet, tokenizer, run: str):
+        self.fleet, self.tok, self.run, self.stop_at = fleet, tokenizer, run, None
+        self.results, self.streams, self.stream_failures = [], 0, []
+        self.threads = [threading.Thread(target=self._episodes), threading.Thread(target=self._streams)]
+
+    def __enter__(self):
+        self._stop = threading.Event()
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        for t in self.threads:
+            t.join(600)
+
+    def _episodes(self):
+        seed = 0
+        while not self._stop.is_set():
+            seed += 1
+            results, stats = _collect(self.fleet, self.tok, f"{self.run}-{seed}-", 8, seed=1000 + seed)
+            self.results += [(r, stats) for r in results]
+
+    def _streams(self):
+        i = 0
+        with httpx.Client(timeout=120) as c:
+            while not self._stop.is_set():
+                i += 1
+                try:
+                    with c.stream("POST", self.fleet.url + "/v1/completions", headers={"x-session-id": f"{self.run}-s{i}"},
+                                  json={"model": "flywheel", "prompt": [1, 2, 3], "max_tokens": 16, "stream": True,
+                                        "temperature": 1.0}) as r:
+                        body = "".join(r.iter_text())
+                    if r.status_code != 200 or "[DONE]" not in body:
+                        self.stream_failures.append(f"{r.status_code} {body[-200:]}")
+                    self.streams += 1
+                except httpx.HTTPError as e:
+                    self.stream_failures.append(repr(e))
+
+    def failed(self) -> list[str]:
+        return [r.error or r.status for r, _ in self.results if r.status != "ok"] + self.stream_failures
+
+    def retries(self) -> int:
+        return sum({id(s): s.retries for _, s in self.results}.values())
+
+
+def _versions_of(fleet, run: str) -> dict[str, set[int]]:
+    fleet.flush()
+    return {e: {t["weight_version"] for t in ts}
+            for e, ts in _episodes(read_traces(fleet.servers[0].trace_root).to_pylist(), run).items()}
+
+
+def test_a_canary_rolls_out_under_load_and_a_worse_one_rolls_back(fleet, tiny_tokenizer, tiny_base, tmp_path):
+    """Canary (1 of 2 replicas, half the new episodes), then promotion replica by replica, under
+    episode and streaming load: no failed request, every episode on one version, both versions
+    traced while the canary serves; then a worse canary (heavily perturbed weights) fails the live
+    check on its own traffic and is rolled back, again with no failed request."""
+    from srv_util import perturbed_copy
+
+    from rollout.artifacts import checkpoint_sha256
+    from rollout.server.canary_check import compare_versions
+
+    good, bad = perturbed_copy(tiny_base.path, tmp_path / "good", scale=0.02), perturbed_copy(
+        tiny_base.path, tmp_path / "bad", scale=3.0, seed=2)
+    stable_v = fleet.servers[0].admin("GET", "/admin/status").json()["weight_version"]
+    with Load(fleet, tiny_tokenizer, "roll") as load:
+        time.sleep(3)
+        assert fleet.canary(str(good), checkpoint_sha256(good), fraction=0.5) == [1]
+        canary_v = fleet.servers[1].admin("GET", "/admin/status").json()["weight_version"]
+        time.sleep(20)
+        fleet.promote()
+        time.sleep(5)
+    assert not load.failed() and load.retries() == 0, (load.failed()[:5], load.retries())
+    assert load.streams > 10
+    status = [s.admin("GET", "/admin/status").json() for s in fleet.servers]
+    assert {s["weight_version"] for s in status} == {canary_v} and canary_v > stable_v  # one number, one checkpoint
+    versions = _versions_of(fleet, "roll")
+    assert all(len(v) == 1 for v in versions.values()), [v for v in versions.values() if len(v) > 1]
+    assert Counter(next(iter(v)) for v in versions.values()).keys() == {stable_v, canary_v}
+
+    with Load(fleet, tiny_tokenizer, "bad") as load:
+        time.sleep(2)
+        fleet.canary(str(bad), checkpoint_sha256(bad), fraction=0.5)
+        bad_v = fleet.servers[1].admin("GET", "/admin/status").json()["weight_version"]
+        time.sleep(25)
+        fleet.flush()
+        check = compare_versions(fleet.servers[0].trace_root, stable=canary_v, canary=bad_v, margin=0.05)
+        print(check.summary())
+        assert not check.passed and check.canary.episodes > 10
+        fleet.rollback()
+        time.sleep(3)
+    assert not load.failed() and load.retries() == 0, (load.failed()[:5], load.retries())
+    assert {s.admin("GET", "/admin/status").json()["checkpoint_sha256"] for s in fleet.servers} == {checkpoint_sha256(good)}
+    assert all(len(v) == 1 for v in _versions_of(fleet, "bad").values())
+
+
+def test_the_router_restarted_under_load_keeps_every_episode_on_its_replica(fleet, tiny_tokenizer):
+    """The stable router stopped and started mid-load: requests in the gap fail cleanly (502 from
+    the splitter, retried by the client), and every episode resumes on its replica by hash."""
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(r=_collect(fleet, tiny_tokenizer, "rr", 64, seed=11)))
+    worker.start()
+    time.sleep(3)
+    fleet.router.restart()
+    worker.join(600)
+    results, stats = out["r"]
+    assert stats.episodes_ok == stats.episodes == 256, Counter(r.error for r in results if r.error)
+    episodes = _episodes(read_traces(fleet.servers[0].trace_root).to_pylist(), "rr") if not fleet.flush() else {}
+    assert len(episodes) == 256
+    assert all(len({t["replica"] for t in ts}) == 1 for ts in episodes.values())
+    print(f"router restarted under load: client retries {stats.retries}, {stats.seconds:.1f} s")

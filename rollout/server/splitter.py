@@ -1,0 +1,140 @@
+"""The fleet's front door while a new policy rolls out: each episode is pinned to one version group.
+
+    splitter = Splitter({"stable": router_a.url}).start()     # a thread with its own event loop
+    splitter.groups["canary"] = router_b.url; splitter.fraction = 0.1
+    ... splitter.open_episodes("stable")                     # pinned episodes seen in the last idle_s
+
+vllm-router has no weighted split and knows nothing of versions: a replica that leaves its ring
+hands its sessions to whichever replicas follow it on the ring, whatever they serve. So the fleet
+runs one vllm-router per version group (consistent hashing on X-Session-ID inside the group) and
+this splitter in front: the first request of an episode (X-Session-ID, else
+x-flywheel-episode-id) picks a group, `fraction` of new episodes the canary's by a hash of the
+episode id, and every later turn of that episode goes to the same group, whatever `fraction` has
+become since. An episode is open until its feedback arrives (`POST /v1/feedback` naming it) or it
+has been idle for `idle_s`; a group's last replica leaves only once no episode is open on it. A replica moves between groups only out of both rings, so an episode's turns all run
+on one version; an episode without a key goes to "stable". Bodies and headers pass through
+unchanged; responses stream back as they come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import threading
+import time
+
+from aiohttp import ClientSession, ClientTimeout, web
+
+HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
+
+
+def bucket(key: str) -> float:
+    """A stable point in [0, 1) for an episode id."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2 ** 64
+
+
+class Splitter:
+    def __init__(self, groups: dict[str, str], host: str = "127.0.0.1", port: int = 0, idle_s: float = 300.0):
+        self.groups = dict(groups)  # name -> base URL (a router)
+        self.fraction = 0.0  # of new episodes to "canary"
+        self.host, self.port, self.idle_s = host, port, idle_s
+        self.pins: dict[str, tuple[str, float]] = {}  # episode -> (group, last request time)
+        self.counts: dict[str, int] = {}
+        self._pins_lock = threading.Lock()  # the loop's thread pins, the fleet's thread counts and drops
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready = threading.Event()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def group_of(self, key: str | None) -> str:
+        if not key:
+            return "stable"
+        with self._pins_lock:
+            group = self.pins[key][0] if key in self.pins else (
+                "canary" if "canary" in self.groups and bucket(key) < self.fraction else "stable")
+            self.pins[key] = (group, time.monotonic())
+        return group
+
+    def open_episodes(self, group: str) -> int:
+        """Episodes pinned to `group` with a request in the last `idle_s` (older pins are dropped)."""
+        now = time.monotonic()
+        with self._pins_lock:
+            self.pins = {k: v for k, v in self.pins.items() if now - v[1] < self.idle_s}
+            return sum(1 for g, _ in self.pins.values() if g == group)
+
+    def _close(self, body: bytes) -> None:
+        """Feedback ends an episode: the episodes it names are no longer open (their pins go)."""
+        try:
+            rows = json.loads(body)
+        except ValueError:
+            return
+        ended = {r.get("episode_id") for r in (rows if isinstance(rows, list) else [rows]) if isinstance(r, dict)}
+        with self._pins_lock:
+            for ep in ended:
+                self.pins.pop(ep, None)
+
+    def rename(self, old: str, new: str) -> None:
+        """`old`'s episodes are pinned to `new` (a canary that became the stable group)."""
+        with self._pins_lock:
+            self.pins = {k: ((new if g == old else g), t) for k, (g, t) in self.pins.items()}
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        key = request.headers.get("x-session-id") or request.headers.get("x-flywheel-episode-id")
+        group = self.group_of(key)
+        self.counts[group] = self.counts.get(group, 0) + 1
+        body = await request.read()
+        if request.path == "/v1/feedback":
+            self._close(body)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
+        try:
+            upstream = await self._client.request(request.method, self.groups[group] + request.rel_url.raw_path_qs,
+                                                   headers=headers, data=body)
+        except Exception as e:  # the group's router is down: a clean 502, the client retries
+            return web.json_response({"error": {"message": f"{group} router: {type(e).__name__}: {e}"}}, status=502)
+        async with upstream:
+            resp = web.StreamResponse(status=upstream.status, headers={
+                k: v for k, v in upstream.headers.items() if k.lower() not in HOP | {"content-encoding"}})
+            resp.headers["x-flywheel-version-group"] = group
+            await resp.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+
+    def start(self) -> "Splitter":
+        threading.Thread(target=self._run, name="splitter", daemon=True).start()
+        if not self._ready.wait(30):
+            raise RuntimeError("splitter did not start")
+        return self
+
+    def _run(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self._loop)
+
+        async def up():
+            self._client = ClientSession(timeout=ClientTimeout(total=1800), auto_decompress=False)
+            app = web.Application(client_max_size=64 * 1024 * 1024)
+            app.router.add_route("*", "/{tail:.*}", self._handle)
+            self._runner = web.AppRunner(app, access_log=None)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, self.host, self.port)
+            await site.start()
+            self.port = site._server.sockets[0].getsockname()[1]
+            self._ready.set()
+
+        self._loop.run_until_complete(up())
+        self._loop.run_forever()
+
+    def stop(self) -> None:
+        if self._loop is None:
+            return
+
+        async def down():
+            await self._runner.cleanup()
+            await self._client.close()
+
+        asyncio.run_coroutine_threadsafe(down(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
