@@ -29,6 +29,7 @@ Failure handling (the invariants the dataset build relies on):
 from __future__ import annotations
 
 import asyncio
+import logging
 import json
 import random
 import time
@@ -44,6 +45,9 @@ from rollout.tasks import Problem, Task
 from rollout.traces.feedback import ABANDONED
 
 RETRY_STATUS = (429, 500, 502, 503, 504)
+
+
+log = logging.getLogger("flywheel.collector")
 
 
 @dataclass
@@ -307,6 +311,7 @@ async def _post(client: aiohttp.ClientSession, cfg: CollectorConfig, path: str, 
             if r.status == 429 and r.headers.get("retry-after", "").replace(".", "", 1).isdigit():
                 wait = float(r.headers["retry-after"])
         if attempt < cfg.max_retries:
+            log.info("retrying %s (attempt %d): %s", path, attempt + 1, last)
             await asyncio.sleep(wait)
     raise RequestFailed(f"{path}: {last}")
 

@@ -224,6 +224,7 @@ class Fleet:
         s, t0, old = self.servers[i], time.perf_counter(), self.member[i]
         self.routers[old].remove_worker(s.url)
         try:
+            self._quiesce(i)
             report = self._swap(i, path, sha)
         except BaseException:
             self.routers[old].add_worker(s.url)  # refused: it serves its old group as before
@@ -235,6 +236,23 @@ class Fleet:
             self.splitter.groups[group] = self.routers[group].url
         self.member[i], self.paths[group] = group, (str(path), sha)
         return {**report, "seconds": time.perf_counter() - t0}
+
+    def _quiesce(self, i: int, quiet_s: float = 1.0, timeout: float = 120) -> None:
+        """Out of the ring, replica `i` finishes what it was sent: no request in flight for
+        `quiet_s`. A drain swap alone would hold a request the router sent just before the
+        removal at the replica's gate and run it on the new weights, the next turn of an episode
+        begun on the old ones."""
+        deadline, quiet_since = time.time() + timeout, None
+        while time.time() < deadline:
+            busy = self.servers[i].admin("GET", "/admin/status", timeout=10).json()["in_flight"]
+            if busy:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = time.time()
+            elif time.time() - quiet_since >= quiet_s:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"replica r{i} still had requests in flight after {timeout} s out of the ring")
 
     def roll(self, path: str, sha: str | None = None) -> list[dict]:
         """Every replica onto `path` in place, one at a time (capacity N-1; no canary)."""
@@ -269,6 +287,9 @@ class Fleet:
         for j, i in enumerate(stable):
             if j == len(stable) - 1:
                 self._wait_closed("stable", timeout)
+                # nothing is pinned to stable now: whatever still asks for it (a request without an
+                # episode, feedback) goes to the canary's ring before the last stable replica leaves
+                self.splitter.groups["stable"] = self.routers["canary"].url
             self.move(i, "canary", path, sha)
         self._rename("canary", "stable")
 
@@ -276,6 +297,7 @@ class Fleet:
         """No new canary episodes; once the open ones have ended, the canary replicas go back."""
         self.splitter.fraction = 0.0
         self._wait_closed("canary", timeout)
+        self.splitter.groups["canary"] = self.routers["stable"].url  # nothing pinned there now
         path, sha = self.paths["stable"]
         for i in [i for i, g in enumerate(self.member) if g == "canary"]:
             self.move(i, "stable", path, sha)
@@ -284,14 +306,15 @@ class Fleet:
         self.paths.pop("canary")
 
     def _rename(self, old: str, new: str) -> None:
-        self.routers.pop(new).stop()  # empty now
+        empty = self.routers.pop(new)
         self.routers[new] = self.routers.pop(old)
         self.paths[new] = self.paths.pop(old)
         self.member = [new if g == old else g for g in self.member]
         self.splitter.groups[new] = self.routers[new].url
         self.splitter.rename(old, new)
-        self.splitter.groups.pop(old)
         self.splitter.fraction = 0.0
+        self.splitter.groups.pop(old)
+        empty.stop()  # no group points at it any more
 
     def flush(self) -> None:
         """Every live replica's traces so far are in committed Parquet files."""

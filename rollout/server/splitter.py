@@ -39,7 +39,7 @@ class Splitter:
         self.groups = dict(groups)  # name -> base URL (a router)
         self.fraction = 0.0  # of new episodes to "canary"
         self.host, self.port, self.idle_s = host, port, idle_s
-        self.pins: dict[str, tuple[str, float]] = {}  # episode -> (group, last request time)
+        self.pins: dict[str, tuple[str, float, int]] = {}  # episode -> (group, last activity, requests running)
         self.counts: dict[str, int] = {}
         self._pins_lock = threading.Lock()  # the loop's thread pins, the fleet's thread counts and drops
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -53,17 +53,25 @@ class Splitter:
         if not key:
             return "stable"
         with self._pins_lock:
-            group = self.pins[key][0] if key in self.pins else (
-                "canary" if "canary" in self.groups and bucket(key) < self.fraction else "stable")
-            self.pins[key] = (group, time.monotonic())
+            group, _, busy = self.pins.get(key) or (
+                "canary" if "canary" in self.groups and bucket(key) < self.fraction else "stable", 0.0, 0)
+            self.pins[key] = (group, time.monotonic(), busy + 1)
         return group
 
-    def open_episodes(self, group: str) -> int:
-        """Episodes pinned to `group` with a request in the last `idle_s` (older pins are dropped)."""
-        now = time.monotonic()
+    def _done(self, key: str | None) -> None:
+        """A request of episode `key` ended: idle from now (the pin stays until feedback or idle_s)."""
         with self._pins_lock:
-            self.pins = {k: v for k, v in self.pins.items() if now - v[1] < self.idle_s}
-            return sum(1 for g, _ in self.pins.values() if g == group)
+            if key in self.pins:
+                group, _, busy = self.pins[key]
+                self.pins[key] = (group, time.monotonic(), busy - 1)
+
+    def open_episodes(self, group: str) -> int:
+        """Episodes pinned to `group` with a request running or one in the last `idle_s` (older pins
+        are dropped)."""
+        now = time.monotonic()
+        with self._pins_lock:  # a request still running keeps its episode open, however long it runs
+            self.pins = {k: v for k, v in self.pins.items() if v[2] > 0 or now - v[1] < self.idle_s}
+            return sum(1 for g, _, _ in self.pins.values() if g == group)
 
     def _close(self, body: bytes) -> None:
         """Feedback ends an episode: the episodes it names are no longer open (their pins go)."""
@@ -79,18 +87,25 @@ class Splitter:
     def rename(self, old: str, new: str) -> None:
         """`old`'s episodes are pinned to `new` (a canary that became the stable group)."""
         with self._pins_lock:
-            self.pins = {k: ((new if g == old else g), t) for k, (g, t) in self.pins.items()}
+            self.pins = {k: ((new if g == old else g), t, b) for k, (g, t, b) in self.pins.items()}
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         key = request.headers.get("x-session-id") or request.headers.get("x-flywheel-episode-id")
         group = self.group_of(key)
         self.counts[group] = self.counts.get(group, 0) + 1
+        try:
+            return await self._forward(request, group)
+        finally:
+            self._done(key)
+
+    async def _forward(self, request: web.Request, group: str) -> web.StreamResponse:
         body = await request.read()
         if request.path == "/v1/feedback":
             self._close(body)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
         try:
-            upstream = await self._client.request(request.method, self.groups[group] + request.rel_url.raw_path_qs,
+            base = self.groups.get(group) or self.groups["stable"]  # a group renamed away meanwhile
+            upstream = await self._client.request(request.method, base + request.rel_url.raw_path_qs,
                                                    headers=headers, data=body)
         except Exception as e:  # the group's router is down: a clean 502, the client retries
             return web.json_response({"error": {"message": f"{group} router: {type(e).__name__}: {e}"}}, status=502)

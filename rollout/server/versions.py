@@ -11,9 +11,11 @@ restarted server, or the loop choosing a start version, continues past every num
 
 Replicas of a fleet share the trace root and so the ledger (appends under an flock). A fleet is one
 policy: its replicas serving one checkpoint carry one number (`shared=True`, what a server with
-`serve.replica` set uses). A replica that starts on, or drain-swaps to, a checkpoint another replica
-already numbered (>= `at_least`: never backwards) takes that number; a number a "keep" swap or a
-second engine handed out is never taken again.
+`serve.replica` set uses). A replica that starts on, or drain-swaps to, a checkpoint the fleet
+already numbered takes that number, also when it goes back to it (a canary rolled back: its
+replicas serve the stable checkpoint under the stable number again, so an episode that moves
+between replicas sees one number); a number a "keep" swap or a second engine handed out is never
+taken again. A lone server's numbers only grow.
 """
 
 from __future__ import annotations
@@ -57,13 +59,13 @@ class VersionLedger:
 
     def allocate(self, sha: str, path: str, event: str, at_least: int = 0) -> int:
         """A number for (`sha`, `path`), recorded durably first: never handed out before (and
-        >= `at_least`), or with `shared`, the fleet's number for `sha` when one exists."""
+        >= `at_least`), or with `shared`, the fleet's number for `sha` when it has one."""
         with self._lock, open(self.path.with_suffix(".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # the fleet's replicas append to one ledger
             entries = read_ledger(self.path)
             if self.shared and event in SHAREABLE:
                 for e in reversed(entries):
-                    if e["checkpoint_sha256"] == sha and e["event"] in SHAREABLE and e["version"] >= max(at_least, self.start):
+                    if e["checkpoint_sha256"] == sha and e["event"] in SHAREABLE and e["version"] >= self.start:
                         return int(e["version"])
             v = max(self.start, at_least, max((int(e["version"]) for e in entries), default=-1) + 1)
             entry = {"version": v, "checkpoint_sha256": sha, "path": path, "event": event,

@@ -11,6 +11,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
@@ -32,7 +33,7 @@ def fleet(tiny_base, tiny_cfg, tmp_path_factory):
     with Fleet(REPO / "conf" / "tiny.yaml", tiny_base.path, root / "data", root / "logs", replicas=2,
                overrides=[f"bootstrap.cache_dir={tiny_cfg.bootstrap.cache_dir}", "serve.quant=none",
                           f"serve.weights_roots=[{tempfile.gettempdir()},{REPO / '.cache'}]", "serve.drain_timeout_s=30"],
-               episode_idle_s=5.0) as f:
+               episode_idle_s=10.0) as f:
         yield f
 
 
@@ -198,54 +199,85 @@ class Load:
         return sum({id(s): s.retries for _, s in self.results}.values())
 
 
+def uniform_copy(src, dst: Path) -> Path:
+    """A broken policy: the base with its final norm zeroed, so every logit is 0 (uniform sampling)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from srv_util import write_test_manifest
+
+    dst.mkdir(parents=True)
+    for p in Path(src).iterdir():
+        if p.is_file() and p.suffix != ".safetensors" and p.name != "flywheel_manifest.json":
+            shutil.copy(p, dst / p.name)
+    for shard in Path(src).glob("*.safetensors"):
+        t = load_file(shard)
+        t["model.norm.weight"].zero_()
+        save_file(t, dst / shard.name, metadata={"format": "pt"})
+    write_test_manifest(dst)
+    return dst
+
+
 def _versions_of(fleet, run: str) -> dict[str, set[int]]:
     fleet.flush()
     return {e: {t["weight_version"] for t in ts}
             for e, ts in _episodes(read_traces(fleet.servers[0].trace_root).to_pylist(), run).items()}
 
 
-def test_a_canary_rolls_out_under_load_and_a_worse_one_rolls_back(fleet, tiny_tokenizer, tiny_base, tmp_path):
+def test_a_canary_rolls_out_under_load_and_a_worse_one_rolls_back(fleet, tiny_tokenizer, tiny_base, tmp_path, caplog):
     """Canary (1 of 2 replicas, half the new episodes), then promotion replica by replica, under
     episode and streaming load: no failed request, every episode on one version, both versions
-    traced while the canary serves; then a worse canary (heavily perturbed weights) fails the live
+    traced while the canary serves; then a worse canary (weights that sample uniformly) fails the live
     check on its own traffic and is rolled back, again with no failed request."""
+    import logging
+
     from srv_util import perturbed_copy
 
     from rollout.artifacts import checkpoint_sha256
+
+    caplog.set_level(logging.INFO, logger="flywheel.collector")
     from rollout.server.canary_check import compare_versions
 
-    good, bad = perturbed_copy(tiny_base.path, tmp_path / "good", scale=0.02), perturbed_copy(
-        tiny_base.path, tmp_path / "bad", scale=3.0, seed=2)
+    good, bad = perturbed_copy(tiny_base.path, tmp_path / "good", scale=0.005), uniform_copy(tiny_base.path, tmp_path / "bad")
     stable_v = fleet.servers[0].admin("GET", "/admin/status").json()["weight_version"]
     with Load(fleet, tiny_tokenizer, "roll") as load:
         time.sleep(3)
+        since = datetime.now(timezone.utc)  # both versions judged on the same window of traffic
         assert fleet.canary(str(good), checkpoint_sha256(good), fraction=0.5) == [1]
         canary_v = fleet.servers[1].admin("GET", "/admin/status").json()["weight_version"]
         time.sleep(20)
+        fleet.flush()
+        check = compare_versions(fleet.servers[0].trace_root, stable=stable_v, canary=canary_v, since=since)
+        print(check.summary())
+        assert check.passed and check.canary.episodes > 10
         fleet.promote()
         time.sleep(5)
-    assert not load.failed() and load.retries() == 0, (load.failed()[:5], load.retries())
+    retried = [r.getMessage() for r in caplog.records if r.getMessage().startswith("retrying")]
+    assert not load.failed() and load.retries() == 0, (load.failed()[:5], load.retries(), retried[:5])
     assert load.streams > 10
     status = [s.admin("GET", "/admin/status").json() for s in fleet.servers]
     assert {s["weight_version"] for s in status} == {canary_v} and canary_v > stable_v  # one number, one checkpoint
     versions = _versions_of(fleet, "roll")
-    assert all(len(v) == 1 for v in versions.values()), [v for v in versions.values() if len(v) > 1]
+    assert all(len(v) == 1 for v in versions.values()), {e: v for e, v in versions.items() if len(v) > 1}
     assert Counter(next(iter(v)) for v in versions.values()).keys() == {stable_v, canary_v}
 
     with Load(fleet, tiny_tokenizer, "bad") as load:
         time.sleep(2)
+        since = datetime.now(timezone.utc)
         fleet.canary(str(bad), checkpoint_sha256(bad), fraction=0.5)
         bad_v = fleet.servers[1].admin("GET", "/admin/status").json()["weight_version"]
         time.sleep(25)
         fleet.flush()
-        check = compare_versions(fleet.servers[0].trace_root, stable=canary_v, canary=bad_v, margin=0.05)
+        check = compare_versions(fleet.servers[0].trace_root, stable=canary_v, canary=bad_v, since=since)
         print(check.summary())
         assert not check.passed and check.canary.episodes > 10
         fleet.rollback()
         time.sleep(3)
     assert not load.failed() and load.retries() == 0, (load.failed()[:5], load.retries())
-    assert {s.admin("GET", "/admin/status").json()["checkpoint_sha256"] for s in fleet.servers} == {checkpoint_sha256(good)}
-    assert all(len(v) == 1 for v in _versions_of(fleet, "bad").values())
+    after = [s.admin("GET", "/admin/status").json() for s in fleet.servers]
+    assert {(a["checkpoint_sha256"], a["weight_version"]) for a in after} == {(checkpoint_sha256(good), canary_v)}
+    mixed = {e: v for e, v in _versions_of(fleet, "bad").items() if len(v) > 1}
+    assert not mixed, mixed
 
 
 def test_the_router_restarted_under_load_keeps_every_episode_on_its_replica(fleet, tiny_tokenizer):

@@ -224,8 +224,8 @@ def test_a_weight_version_names_one_checkpoint_forever(folders, tmp_path):
 
 
 def test_a_fleet_shares_one_number_per_checkpoint_and_never_a_burnt_one(tmp_path):
-    """Replicas (one ledger, `shared`) serving one checkpoint carry one number; a new checkpoint,
-    a number below `at_least` or a keep swap's number is never shared."""
+    """Replicas (one ledger, `shared`) serving one checkpoint carry one number, also going back to
+    it; a keep swap's number is never shared, and a lone server's numbers only grow."""
     from rollout.server.versions import VersionLedger, read_ledger
 
     path = tmp_path / "weight_versions.jsonl"
@@ -233,12 +233,12 @@ def test_a_fleet_shares_one_number_per_checkpoint_and_never_a_burnt_one(tmp_path
     assert r0.allocate("a" * 64, "/base", "start") == 0 and r1.allocate("a" * 64, "/base", "start") == 0
     assert r0.allocate("b" * 64, "/cand", "swap", at_least=1) == 1
     assert r1.allocate("b" * 64, "/cand", "swap", at_least=1) == 1  # the rolling swap's second replica
-    assert r1.allocate("a" * 64, "/base", "swap", at_least=2) == 2  # back to the base: a new number, not 0
-    assert r0.allocate("c" * 64, "/c", "swap (keep)", at_least=3) == 3
-    assert r1.allocate("c" * 64, "/c", "swap (keep)", at_least=3) == 4  # a keep swap's number is its own
-    assert r1.allocate("c" * 64, "/c", "swap", at_least=5) == 5
-    assert VersionLedger(path).allocate("a" * 64, "/base", "start") == 6  # a lone server never shares
-    assert [e["version"] for e in read_ledger(path)] == [0, 1, 2, 3, 4, 5, 6]
+    assert r1.allocate("a" * 64, "/base", "swap", at_least=2) == 0  # rolled back: the base's number again
+    assert r0.allocate("c" * 64, "/c", "swap (keep)", at_least=2) == 2
+    assert r1.allocate("c" * 64, "/c", "swap (keep)", at_least=1) == 3  # a keep swap's number is its own
+    assert r1.allocate("c" * 64, "/c", "swap", at_least=4) == 4
+    assert VersionLedger(path).allocate("a" * 64, "/base", "start") == 5  # a lone server never shares
+    assert [e["version"] for e in read_ledger(path)] == [0, 1, 2, 3, 4, 5]
 
 
 def test_a_swap_refuses_other_weights_than_the_gated_and_another_serving_version(folders):
