@@ -261,6 +261,30 @@ def test_a_canary_rolls_out_under_load_and_a_worse_one_rolls_back(fleet, tiny_to
     assert all(len(v) == 1 for v in versions.values()), {e: v for e, v in versions.items() if len(v) > 1}
     assert Counter(next(iter(v)) for v in versions.values()).keys() == {stable_v, canary_v}
 
+    # one dataset holds episodes of both versions, each row with its own version's behaviour logprobs
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from pipelines.traces_to_dataset import DatasetConfig, build_dataset
+
+    m = build_dataset(DatasetConfig(trace_root=fleet.servers[0].trace_root, out_dir=tmp_path / "ds",
+                                    tokenizer=str(tiny_base.path), heldout_fraction=0.0,
+                                    logprobs_mode="processed_logprobs"))
+    rows = {r["episode_id"]: r for f in m.files_of("train") for r in pq.read_table(f).to_pylist()}
+    played = [ep for ep, _ in load.results if ep.status == "ok"]
+    seen = set()
+    for ep in played:
+        row = rows[ep.episode_id]
+        mask, lps, vs = np.zeros(len(row["input_ids"]), np.int8), np.zeros(len(row["input_ids"]), np.float32), None
+        for t in ep.turns:
+            s = len(t.prompt_ids)
+            mask[s:s + len(t.token_ids)], lps[s:s + len(t.token_ids)] = 1, t.logprobs
+            vs = t.weight_version
+        assert row["behaviour_logprobs"] == lps.tolist() and row["assistant_mask"] == mask.tolist()
+        assert {v for v, k in zip(row["weight_versions"], mask) if k} == {vs} == {row["weight_version"]}
+        seen.add(vs)
+    assert seen == {stable_v, canary_v}
+
     with Load(fleet, tiny_tokenizer, "bad") as load:
         time.sleep(2)
         since = datetime.now(timezone.utc)
