@@ -41,6 +41,7 @@ from pathlib import Path
 import httpx
 
 from rollout.cpu_placement import WORKER_SPIN_ENV
+from rollout.server.fleet_admin import FleetAdmin
 from rollout.server.process import ServerProcess, _die_with_parent, free_port
 from rollout.server.splitter import Splitter
 
@@ -182,7 +183,7 @@ class Fleet:
                 s.wait_healthy()
             self.routers["stable"] = self._router("stable", [s.url for s in self.servers])
             self.splitter = Splitter({"stable": self.routers["stable"].url}, self.host, self.port or 0,
-                                     idle_s=self.episode_idle_s).start()
+                                     idle_s=self.episode_idle_s, admin=FleetAdmin(self, self.admin_token).handle).start()
             return self
         except BaseException:
             self.stop()
@@ -296,14 +297,16 @@ class Fleet:
     def rollback(self, timeout: float = 600) -> None:
         """No new canary episodes; once the open ones have ended, the canary replicas go back."""
         self.splitter.fraction = 0.0
+        if "canary" not in self.routers:  # no replica ever joined it
+            return
         self._wait_closed("canary", timeout)
         self.splitter.groups["canary"] = self.routers["stable"].url  # nothing pinned there now
         path, sha = self.paths["stable"]
         for i in [i for i, g in enumerate(self.member) if g == "canary"]:
             self.move(i, "stable", path, sha)
-        self.routers.pop("canary").stop()
         self.splitter.groups.pop("canary")
-        self.paths.pop("canary")
+        self.routers.pop("canary").stop()
+        self.paths.pop("canary", None)
 
     def _rename(self, old: str, new: str) -> None:
         empty = self.routers.pop(new)
@@ -333,8 +336,9 @@ class Fleet:
 
 def serve_fleet(config: str | Path, overrides: list[str], serve_cfg) -> int:
     """`loop serve` with `serve.replicas` > 1: the replicas and the router on serve.host:port, until
-    SIGINT/SIGTERM. The replicas' admin token is the one the config resolves (or a fresh one,
-    printed nowhere: then the fleet has no admin API for you); a replica that dies is reported."""
+    SIGINT/SIGTERM. The fleet's admin API (rollout/server/fleet_admin.py) on serve.port and each
+    replica's take the token the config resolves (without one, a fresh token printed nowhere: no
+    admin API for you); a replica that dies is reported."""
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.append(1))

@@ -35,8 +35,10 @@ def bucket(key: str) -> float:
 
 
 class Splitter:
-    def __init__(self, groups: dict[str, str], host: str = "127.0.0.1", port: int = 0, idle_s: float = 300.0):
+    def __init__(self, groups: dict[str, str], host: str = "127.0.0.1", port: int = 0, idle_s: float = 300.0,
+                 admin=None):
         self.groups = dict(groups)  # name -> base URL (a router)
+        self.admin = admin  # an async handler for /admin/* (the fleet's: rollout/server/fleet_admin.py)
         self.fraction = 0.0  # of new episodes to "canary"
         self.host, self.port, self.idle_s = host, port, idle_s
         self.pins: dict[str, tuple[str, float, int]] = {}  # episode -> (group, last activity, requests running)
@@ -90,6 +92,8 @@ class Splitter:
             self.pins = {k: ((new if g == old else g), t, b) for k, (g, t, b) in self.pins.items()}
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        if self.admin is not None and request.path.startswith("/admin/"):
+            return await self.admin(request)
         key = request.headers.get("x-session-id") or request.headers.get("x-flywheel-episode-id")
         group = self.group_of(key)
         self.counts[group] = self.counts.get(group, 0) + 1

@@ -14,8 +14,7 @@ policy: its replicas serving one checkpoint carry one number (`shared=True`, wha
 `serve.replica` set uses). A replica that starts on, or drain-swaps to, a checkpoint the fleet
 already numbered takes that number, also when it goes back to it (a canary rolled back: its
 replicas serve the stable checkpoint under the stable number again, so an episode that moves
-between replicas sees one number); a number a "keep" swap or a second engine handed out is never
-taken again. A lone server's numbers only grow.
+between replicas sees one number); a number a "keep" swap handed out is never taken again. A lone server's numbers only grow.
 """
 
 from __future__ import annotations
@@ -28,7 +27,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 LEDGER = "weight_versions.jsonl"
-SHAREABLE = ("start", "swap")  # events whose number a fleet's other replicas take for the same checkpoint
+# events whose number a fleet's other replicas take for the same checkpoint: each numbers weights
+# that passed their canary before any token carried it (a keep swap's may have served unchecked)
+SHAREABLE = ("start", "swap", "swap (second engine)")
 
 
 def read_ledger(path: str | Path) -> list[dict]:

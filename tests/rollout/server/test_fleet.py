@@ -319,3 +319,41 @@ def test_the_router_restarted_under_load_keeps_every_episode_on_its_replica(flee
     assert len(episodes) == 256
     assert all(len({t["replica"] for t in ts}) == 1 for ts in episodes.values())
     print(f"router restarted under load: client retries {stats.retries}, {stats.seconds:.1f} s")
+
+
+def test_the_loop_promotes_into_the_fleet_through_its_admin_api(fleet, tiny_tokenizer, tiny_base, tmp_path):
+    """The loop's own admin client (pipelines.promote.AdminClient) on the fleet's front door: a
+    swap rolls the whole fleet version by version under load (no failed request, every episode on
+    one version), a wrong `expected_current_sha` is a 409 that moves nothing, a checkpoint a
+    replica refuses is a 409 that leaves serving as it was."""
+    from srv_util import perturbed_copy
+
+    from pipelines.promote import AdminClient
+    from rollout.artifacts import checkpoint_sha256
+
+    admin = AdminClient(fleet.url, fleet.admin_token)
+    assert AdminClient(fleet.url, "wrong").swap(str(tiny_base.path))[0] == 403
+    before = admin.status()
+    assert before["fleet"] and len(before["replicas"]) == 2
+    nxt = perturbed_copy(tiny_base.path, tmp_path / "next", scale=0.005, seed=5)
+    code, body = admin.swap(str(nxt), sha=checkpoint_sha256(nxt), expected_current_sha="0" * 64)
+    assert code == 409 and "expected" in body["error"]["message"]
+    assert admin.status()["checkpoint_sha256"] == before["checkpoint_sha256"]
+
+    with Load(fleet, tiny_tokenizer, "adm") as load:
+        time.sleep(3)
+        code, body = admin.swap(str(nxt), sha=checkpoint_sha256(nxt), expected_current_sha=before["checkpoint_sha256"])
+        time.sleep(3)
+    assert code == 200, body
+    assert {(r["checkpoint_sha256"], r["weight_version"]) for r in admin.status()["replicas"]} == {
+        (checkpoint_sha256(nxt), body["weight_version"])} and body["weight_version"] > before["weight_version"]
+    assert not load.failed() and load.retries() == 0, (load.failed()[:5], load.retries())
+    assert all(len(v) == 1 for v in _versions_of(fleet, "adm").values())
+
+    broken = perturbed_copy(tiny_base.path, tmp_path / "broken", seed=6)
+    shard = next(broken.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-8] + b"\0" * 8)  # no longer the bytes its manifest lists
+    code, body = admin.swap(str(broken))
+    assert code == 409 and "canary refused" in body["error"]["message"], body
+    after = admin.status()
+    assert {(r["checkpoint_sha256"], r["group"]) for r in after["replicas"]} == {(checkpoint_sha256(nxt), "stable")}

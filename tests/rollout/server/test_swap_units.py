@@ -237,6 +237,7 @@ def test_a_fleet_shares_one_number_per_checkpoint_and_never_a_burnt_one(tmp_path
     assert r0.allocate("c" * 64, "/c", "swap (keep)", at_least=2) == 2
     assert r1.allocate("c" * 64, "/c", "swap (keep)", at_least=1) == 3  # a keep swap's number is its own
     assert r1.allocate("c" * 64, "/c", "swap", at_least=4) == 4
+    assert r0.allocate("c" * 64, "/c", "swap (second engine)", at_least=3) == 4  # W8A8's way: shared too
     assert VersionLedger(path).allocate("a" * 64, "/base", "start") == 5  # a lone server never shares
     assert [e["version"] for e in read_ledger(path)] == [0, 1, 2, 3, 4, 5]
 
