@@ -49,8 +49,12 @@ def _salted(scope, body: bytes, req: dict, version: int) -> tuple[dict, bytes]:
     version share their prefixes as before. A client's own salt stays a part of it."""
     if not req or "prompt" not in req and "messages" not in req:
         return scope, body
-    salt = f"{req['cache_salt']}|v{version}" if isinstance(req.get("cache_salt"), str) and req["cache_salt"] else f"v{version}"
-    body = json.dumps({**req, "cache_salt": salt}).encode()
+    if "cache_salt" in req:  # the client's own salt: a part of ours (the body written again, ~40 us)
+        if not isinstance(req["cache_salt"], str) or not req["cache_salt"]:
+            return scope, body  # vLLM's own 400 for a bad salt
+        body = json.dumps({**req, "cache_salt": f"{req['cache_salt']}|v{version}"}).encode()
+    else:  # the salt spliced in as the object's first key: ~1 us, not ~40 for a 300-token prompt
+        body = b'{"cache_salt": "v%d", ' % version + body.lstrip()[1:]
     headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
     return {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}, body
 

@@ -42,7 +42,6 @@ class Splitter:
         self.fraction = 0.0  # of new episodes to "canary"
         self.host, self.port, self.idle_s = host, port, idle_s
         self.pins: dict[str, tuple[str, float, int]] = {}  # episode -> (group, last activity, requests running)
-        self.counts: dict[str, int] = {}
         self._pins_lock = threading.Lock()  # the loop's thread pins, the fleet's thread counts and drops
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready = threading.Event()
@@ -96,7 +95,6 @@ class Splitter:
             return await self.admin(request)
         key = request.headers.get("x-session-id") or request.headers.get("x-flywheel-episode-id")
         group = self.group_of(key)
-        self.counts[group] = self.counts.get(group, 0) + 1
         try:
             return await self._forward(request, group)
         finally:
