@@ -96,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         from rollout.capabilities import detect
         from rollout.server.app import check_servable, check_speculation
 
+        if cfg.serve.replica_urls:  # the front door alone: the replicas (held) load their model
+            from rollout.server.fleet import serve_fleet
+
+            return serve_fleet(args.config, args.overrides, cfg.serve)
         model = cfg.serve.model
         if model is None:
             from loop.bootstrap import bootstrap

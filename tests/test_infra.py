@@ -150,6 +150,26 @@ def test_the_manifests_loop_commands_are_valid_configs(monkeypatch):
     commands = loop_commands()
     assert {c[1] for c in commands} == {"run", "serve"}
     monkeypatch.chdir(INFRA.parent)
-    for c in commands:
-        cfg = load_config(c[2], c[3:])  # a ConfigError names the key
+    for c in commands:  # $(VAR) is the pod's env var, expanded by the kubelet before the command runs
+        cfg = load_config(c[2], [re.sub(r"\$\((\w+)\)", r"\1-value", a) for a in c[3:]])  # a ConfigError names the key
         assert str(cfg.run_dir).startswith("/shared/")
+
+
+def test_the_front_door_lists_every_replica_and_the_loop_promotes_through_it():
+    """serving.yaml's front door names exactly the StatefulSet's replicas (by their stable DNS
+    names, held at start, reachable while not ready), and the RayJob's loop collects through it."""
+    serving = docs(INFRA / "k8s" / "serving.yaml")
+    sts = next(d for d in serving if d["kind"] == "StatefulSet")
+    headless = next(d for d in serving if d["kind"] == "Service" and d["metadata"]["name"] == sts["spec"]["serviceName"])
+    door = next(d for d in serving if d["kind"] == "Deployment" and d["metadata"]["name"] == "flywheel-fleet")
+    replica_cmd = sts["spec"]["template"]["spec"]["containers"][0]["command"]
+    door_cmd = door["spec"]["template"]["spec"]["containers"][0]["command"]
+    urls = next(a for a in door_cmd if a.startswith("serve.replica_urls=")).split("=", 1)[1].strip("[]").split(",")
+    name, svc = sts["metadata"]["name"], sts["spec"]["serviceName"]
+    assert urls == [f"http://{name}-{i}.{svc}:8000" for i in range(sts["spec"]["replicas"])]
+    assert "serve.start_held=true" in replica_cmd and headless["spec"]["publishNotReadyAddresses"] is True
+    assert door["spec"]["replicas"] == 1  # the episode pins live in one process
+    fleet_svc = next(d for d in serving if d["kind"] == "Service" and d["metadata"]["name"] == "flywheel-fleet")
+    port = fleet_svc["spec"]["ports"][0]["port"]
+    job = next(d for p in MANIFESTS for d in docs(p) if d["kind"] == "RayJob")
+    assert f"collect.endpoint=http://flywheel-fleet:{port}" in job["spec"]["entrypoint"].split()

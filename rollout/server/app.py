@@ -42,9 +42,13 @@ class ServerState:
     stack: object  # StackFingerprint
     speculator_version: str | None
     admitted: int = 0
+    held: bool = False  # serve.start_held, until POST /admin/release
 
     def unhealthy(self) -> str | None:
         """Why this server must not be sent traffic (None: healthy)."""
+        if self.held:
+            return ("held: a fleet replica takes no traffic until its front door has put it on its version "
+                    "group's weights (POST /admin/release)")
         writer = self.writer.failure
         return self.engine.gate.failure or (f"trace writer: {writer}" if writer else None)
 
@@ -97,7 +101,8 @@ def build_server_app(args, inner, cfg: ServeConfig, model: str, supported_tasks,
                                         engine_args=args, caps=caps, roots=cfg.weights_roots or [], ledger=ledger),
                      stack=stack_fingerprint(model, caps=caps),
                      speculator_version=None if spec.method == "none" else
-                     f"{spec.method}:{spec.draft_model or f'{spec.ngram_min}-{spec.ngram_max}'}")
+                     f"{spec.method}:{spec.draft_model or f'{spec.ngram_min}-{spec.ngram_max}'}",
+                     held=cfg.start_held)
     metrics.weight_version.set(engine.weights.version)
     metrics.serving.labels(caps.device, caps.kernel_build, st.stack.quant_format, args.dtype).set(1)
     app = build_app(args, supported_tasks, inner.model_config)

@@ -103,6 +103,17 @@ class ServeConfig:
     # `loop serve` with replicas > 1: that many servers on free loopback ports behind vllm-router
     # on host:port (consistent hashing on X-Session-ID; rollout/server/fleet.py)
     replicas: int = 1
+    # A fleet member that takes no traffic until the fleet's front door has put it on its version
+    # group's weights and released it (POST /admin/release): /health and generation requests answer
+    # 503 meanwhile. What a replica restarted by a supervisor (Kubernetes, the local fleet) needs:
+    # it comes back on the model its command names, which may not be what its group serves now.
+    start_held: bool = False
+    # The front door only (splitter, one vllm-router per version group, the admin API) over these
+    # replicas, started elsewhere with start_held (the StatefulSet in infra/k8s/serving.yaml).
+    replica_urls: list[str] = field(default_factory=list)
+    # A fleet's episode without feedback is over once idle this long: a rollout's last stable
+    # replica (and a rolled-back canary's) waits for its open episodes that long at most.
+    episode_idle_s: float = 300.0
 
     def __post_init__(self):
         if self.admin_token is not None:
@@ -115,6 +126,12 @@ class ServeConfig:
             raise ValueError("served_model_name must not be empty")
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
             raise ValueError(f"replicas must be an int >= 1, got {self.replicas!r}")
+        if not isinstance(self.start_held, bool):
+            raise ValueError(f"start_held must be true or false, got {self.start_held!r}")
+        if not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in self.replica_urls):
+            raise ValueError(f"replica_urls must be http(s) URLs, got {list(self.replica_urls)!r}")
+        if not self.episode_idle_s > 0:
+            raise ValueError(f"episode_idle_s must be > 0, got {self.episode_idle_s}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         for name in ("max_queue", "max_body_bytes"):

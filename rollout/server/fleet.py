@@ -25,16 +25,26 @@ one version number (rollout/server/versions.py, shared). On a CPU machine each r
 worker gets its own slice of the cores (`VLLM_CPU_OMP_THREADS_BIND`): two replicas on 2 cores
 get one core each, and each front end runs beside the other replica's worker, which then must not
 busy-wait after its steps (`FLYWHEEL_WORKER_SPIN_S`, set where there are fewer than 2 cores a replica).
+
+A replica that restarts (the fleet's own `restart`, `loop serve --replicas` after a crash, or
+Kubernetes restarting a pod) comes back on the model its command names, which need not be what
+its group serves now: replicas start held (`serve.start_held`: /health and generation answer
+503), and the fleet's supervisor puts each held replica on its group's checkpoint and only then
+releases it, so no request ever runs on weights its group does not serve. The same front door runs
+over replicas started elsewhere (`replica_urls`, `loop serve ... serve.replica_urls=[...]`: the
+StatefulSet in infra/k8s/serving.yaml); the stable checkpoint it rolled out last is kept in
+`log_dir/fleet.json`, so a restarted front door puts every replica back on it.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import os
 import secrets
 import signal
-import subprocess
-import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,7 +52,8 @@ import httpx
 
 from rollout.cpu_placement import WORKER_SPIN_ENV
 from rollout.server.fleet_admin import FleetAdmin
-from rollout.server.process import ServerProcess, _die_with_parent, free_port
+from rollout.server.process import AdminClient, ServerProcess
+from rollout.server.router import RouterProcess
 from rollout.server.splitter import Splitter
 
 
@@ -57,81 +68,38 @@ def core_slices(n: int, cores: list[int] | None = None) -> list[str | None]:
     return [",".join(map(str, cores[i * per:(i + 1) * per])) for i in range(n)]
 
 
-class RouterProcess:
-    """vllm-router over `worker_urls` in a child process (its own process group)."""
+log = logging.getLogger("flywheel.fleet")
 
-    def __init__(self, worker_urls: list[str], log_path: str | Path, policy: str = "consistent_hash",
-                 host: str = "127.0.0.1", port: int | None = None, health_interval_s: int = 1,
-                 startup_timeout_s: int = 600):
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(log_path)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.cmd = [sys.executable, "-m", "vllm_router.launch_router", "--host", host, "--port", str(self.port),
-                    "--worker-urls", *worker_urls, "--policy", policy,
-                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-                    "--health-check-interval-secs", str(health_interval_s), "--health-failure-threshold", "2",
-                    "--health-check-timeout-secs", "5", "--worker-startup-timeout-secs", str(startup_timeout_s),
-                    "--request-timeout-secs", "600", "--log-level", "warning"]
-        self.proc: subprocess.Popen | None = None
-        self.start()
 
-    def start(self) -> "RouterProcess":
-        self._log = open(self.log_path, "a")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
-        return self
+class RemoteReplica(AdminClient):
+    """A replica started elsewhere (a StatefulSet pod) with `serve.start_held`: its URL and admin token."""
 
-    def wait_ready(self, timeout: float = 120) -> "RouterProcess":
+    def __init__(self, url: str, admin_token: str, trace_root: str | Path):
+        self.url, self.admin_token, self.trace_root = url.rstrip("/"), admin_token, Path(trace_root)
+
+    def wait_healthy(self, timeout: float = 1800) -> "RemoteReplica":
+        """Until its admin API answers (held or not): it is up."""
         deadline = time.time() + timeout
         while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm-router exited with {self.proc.returncode} (log {self.log_path})")
             try:
-                if httpx.get(self.url + "/readiness", timeout=2).status_code == 200:
+                if self.admin("GET", "/admin/status", timeout=5).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
-        raise RuntimeError(f"vllm-router not ready after {timeout} s (log {self.log_path})")
+            time.sleep(2)
+        raise RuntimeError(f"replica {self.url}: its admin API did not answer in {timeout} s")
 
-    def restart(self) -> "RouterProcess":
-        """Stopped and started again on its port with the workers it has now: consistent hashing
-        on the same workers maps every session to the replica it had."""
-        urls = self.workers()
-        self.stop()
-        i = self.cmd.index("--worker-urls")
-        j = self.cmd.index("--policy")
-        self.cmd[i + 1:j] = urls
-        return self.start().wait_ready()
+    def alive(self) -> bool:
+        return True  # a supervisor elsewhere restarts it; a call to a dead one fails and says so
 
-    def workers(self) -> list[str]:
-        return httpx.get(self.url + "/list_workers", timeout=10).json()["urls"]
-
-    def remove_worker(self, url: str) -> None:
-        r = httpx.post(self.url + "/remove_worker", params={"url": url}, timeout=30)
-        if r.status_code >= 400:
-            raise RuntimeError(f"vllm-router remove_worker {url}: {r.status_code} {r.text}")
-
-    def add_worker(self, url: str) -> None:
-        r = httpx.post(self.url + "/add_worker", params={"url": url}, timeout=120)
-        if r.status_code >= 400:
-            raise RuntimeError(f"vllm-router add_worker {url}: {r.status_code} {r.text}")
-
-    def stop(self, sig=signal.SIGTERM) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._log.close()
+    def stop(self, *a, **k) -> None:
+        pass  # not ours to stop
 
 
 class Fleet:
     """`replicas` servers of `model` sharing `trace_root` (and one admin token), behind one
-    vllm-router per version group and the Splitter in front (`url`).
+    vllm-router per version group and the Splitter in front (`url`); or, with `replica_urls`,
+    the same front door over replicas started elsewhere (held, with `admin_token`).
 
     A new policy rolls out in three steps, each replica moving out of its group's ring, swapping
     (drain mode: no request spans two versions) and joining the other group's ring, so the fleet
@@ -146,44 +114,74 @@ class Fleet:
                                                 # the canary replicas go back to the stable weights
     """
 
-    def __init__(self, config: str | Path, model: str | Path, trace_root: str | Path, log_dir: str | Path,
+    def __init__(self, config: str | Path, model: str | Path | None, trace_root: str | Path, log_dir: str | Path,
                  replicas: int = 2, overrides: list[str] = (), env: dict | None = None, admin_token: str | None = None,
                  policy: str = "consistent_hash", host: str = "127.0.0.1", port: int | None = None,
-                 episode_idle_s: float = 300.0):
+                 episode_idle_s: float = 300.0, replica_urls: list[str] = (), supervise_s: float = 1.0):
+        if replica_urls and not admin_token:
+            raise ValueError("a front door over replicas started elsewhere needs their admin token")
+        replicas = len(replica_urls) or replicas
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         self.log_dir, self.policy, self.host, self.port = Path(log_dir), policy, host, port
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.admin_token = admin_token or secrets.token_hex(16)
         self._start = dict(config=config, model=model, trace_root=trace_root, overrides=list(overrides), env=env or {})
-        self.binds = core_slices(replicas)
-        if replicas > 1 and len(os.sched_getaffinity(0)) < 2 * replicas:
+        self.binds = core_slices(0 if replica_urls else replicas)
+        if not replica_urls and replicas > 1 and len(os.sched_getaffinity(0)) < 2 * replicas:
             # front ends beside other replicas' workers: those must not spin 1 s after each step
             # (rollout/vllm_plugin.py; 2 replicas on 2 cores: 10.4 -> 40.4 episodes/s, bench/fleet.py)
             self._start["env"] = {WORKER_SPIN_ENV: "0.001", **self._start["env"]}
-        self.servers = [self._server(i) for i in range(replicas)]  # all start at once; ~30 s each here
+        self.servers = ([RemoteReplica(u, self.admin_token, trace_root) for u in replica_urls] if replica_urls else
+                        [self._server(i) for i in range(replicas)])  # all start at once; ~30 s each here
         self.routers: dict[str, RouterProcess] = {}
         self.member = ["stable"] * replicas  # each replica's version group
-        self.paths = {"stable": (str(model), None)}  # group -> (checkpoint folder, sha)
+        self.state_path = self.log_dir / "fleet.json"
+        # group -> (checkpoint, sha); a front door over replicas started elsewhere, with no record,
+        # takes what the first replica serves
+        self.paths = {"stable": self._stable_on_record() or (model and str(model), None)}
         self.splitter: Splitter | None = None
         self.episode_idle_s = episode_idle_s  # an episode without feedback is over after this long idle
+        self._lock = threading.RLock()  # a replica is moved or reconciled by one thread at a time
+        self.supervise_s, self._stopping = supervise_s, threading.Event()
 
     def _server(self, i: int, port: int | None = None) -> ServerProcess:
         a = self._start
         env = {**a["env"], **({"VLLM_CPU_OMP_THREADS_BIND": self.binds[i]} if self.binds[i] else {})}
         return ServerProcess(a["config"], a["model"], a["trace_root"], self.log_dir / f"replica-{i}.log",
-                             overrides=[*a["overrides"], f"serve.replica=r{i}"], env=env,
+                             overrides=[*a["overrides"], f"serve.replica=r{i}", "serve.start_held=true"], env=env,
                              admin_token=self.admin_token, port=port)
 
     def _router(self, group: str, urls: list[str]) -> RouterProcess:
         return RouterProcess(urls, self.log_dir / f"router-{group}.log", self.policy).wait_ready()
 
+    def _stable_on_record(self) -> tuple[str, str | None] | None:
+        if self.state_path.exists():
+            rec = json.loads(self.state_path.read_text())["stable"]
+            return rec["path"], rec["checkpoint_sha256"]
+        return None
+
+    def _record(self) -> None:
+        path, sha = self.paths["stable"]
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"stable": {"path": path, "checkpoint_sha256": sha}}))
+        os.replace(tmp, self.state_path)
+
     def __enter__(self) -> "Fleet":
         try:
             for s in self.servers:
                 s.wait_healthy()
+            if self.paths["stable"][0] is None:
+                st = self.servers[0].admin("GET", "/admin/status", timeout=10).json()
+                self.paths["stable"] = (st["path"], st["checkpoint_sha256"])
+            for i in range(len(self.servers)):
+                self._reconcile(i)  # on the stable checkpoint, released
             self.routers["stable"] = self._router("stable", [s.url for s in self.servers])
             self.splitter = Splitter({"stable": self.routers["stable"].url}, self.host, self.port or 0,
-                                     idle_s=self.episode_idle_s, admin=FleetAdmin(self, self.admin_token).handle).start()
+                                     idle_s=self.episode_idle_s, admin=FleetAdmin(self, self.admin_token).handle,
+                                     replicas=lambda: [s.url for s in self.servers]).start()
+            if self.supervise_s:
+                threading.Thread(target=self._supervise, name="fleet-supervisor", daemon=True).start()
             return self
         except BaseException:
             self.stop()
@@ -200,16 +198,68 @@ class Fleet:
     def router(self) -> RouterProcess:
         return self.routers["stable"]
 
+    def _on(self, status: dict, group: str) -> bool:
+        path, sha = self.paths[group]
+        if sha is not None:
+            return status["checkpoint_sha256"] == sha
+        return Path(status["path"]).resolve() == Path(path).resolve()
+
+    def _reconcile(self, i: int) -> bool:
+        """Replica `i` on its group's checkpoint and taking traffic: a held one (just started or
+        restarted) is swapped if it must be and released; one serving anything else leaves its ring
+        for the swap. True when something was done. The group's sha is learnt from the first replica
+        seen on its path."""
+        with self._lock:
+            s, group = self.servers[i], self.member[i]
+            st = s.admin("GET", "/admin/status", timeout=10).json()
+            on = self._on(st, group)
+            if on and self.paths[group][1] is None:
+                self.paths[group] = (self.paths[group][0], st["checkpoint_sha256"])
+            if on and not st.get("held"):
+                return False
+            ring = self.routers.get(group)
+            if not on and not st.get("held") and ring is not None:  # serving the wrong weights: out first
+                ring.remove_worker(s.url)
+                self._quiesce(i)
+            if not on:
+                path, sha = self.paths[group]
+                log.warning("replica %s serves %s, its group %s serves %s: swapping it", s.url, st["path"], group, path)
+                self._swap(i, path, sha)
+            r = s.admin("POST", "/admin/release", timeout=30)
+            if r.status_code != 200:
+                raise RuntimeError(f"replica {s.url}: POST /admin/release {r.status_code}: {r.text}")
+            if not on and not st.get("held") and ring is not None:
+                ring.add_worker(s.url)
+            return True
+
+    def reconcile(self) -> list[int]:
+        """Every reachable replica on its group's checkpoint (see _reconcile); the ones put right."""
+        fixed = []
+        for i in range(len(self.servers)):
+            try:
+                if self.servers[i].alive() and self._reconcile(i):
+                    fixed.append(i)
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass  # down or starting: the next round
+        return fixed
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(self.supervise_s):
+            try:
+                for i in self.reconcile():
+                    log.warning("replica %s released on its group's weights", self.servers[i].url)
+            except Exception as e:  # a swap refused: said, and tried again next round
+                log.error("fleet supervisor: %s: %s", type(e).__name__, e)
+
     def restart(self, i: int) -> ServerProcess:
         """Replica `i` again, on its port (its router's health check takes it back), as a
         supervisor would restart it: its trace writer adopts the WAL the dead one left, so every
-        trace it had committed reaches the table. It serves its group's checkpoint."""
+        trace it had committed reaches the table. It starts held, and is released once it serves
+        its group's checkpoint."""
         old = self.servers[i]
         old.stop()
         self.servers[i] = self._server(i, port=old.port).wait_healthy()
-        path, sha = self.paths[self.member[i]]
-        if path != str(self._start["model"]):
-            self._swap(i, path, sha)
+        self._reconcile(i)
         return self.servers[i]
 
     def _swap(self, i: int, path: str, sha: str | None, timeout: float = 600) -> dict:
@@ -222,21 +272,22 @@ class Fleet:
     def move(self, i: int, group: str, path: str, sha: str | None = None) -> dict:
         """Replica `i` out of its group's ring, onto `path`, into `group`'s ring (a router of its
         own started for a new group). The swap's report, plus `seconds`."""
-        s, t0, old = self.servers[i], time.perf_counter(), self.member[i]
-        self.routers[old].remove_worker(s.url)
-        try:
-            self._quiesce(i)
-            report = self._swap(i, path, sha)
-        except BaseException:
-            self.routers[old].add_worker(s.url)  # refused: it serves its old group as before
-            raise
-        if group in self.routers:
-            self.routers[group].add_worker(s.url)
-        else:
-            self.routers[group] = self._router(group, [s.url])
-            self.splitter.groups[group] = self.routers[group].url
-        self.member[i], self.paths[group] = group, (str(path), sha)
-        return {**report, "seconds": time.perf_counter() - t0}
+        with self._lock:
+            s, t0, old = self.servers[i], time.perf_counter(), self.member[i]
+            self.routers[old].remove_worker(s.url)
+            try:
+                self._quiesce(i)
+                report = self._swap(i, path, sha)
+            except BaseException:
+                self.routers[old].add_worker(s.url)  # refused: it serves its old group as before
+                raise
+            if group in self.routers:
+                self.routers[group].add_worker(s.url)
+            else:
+                self.routers[group] = self._router(group, [s.url])
+                self.splitter.groups[group] = self.routers[group].url
+            self.member[i], self.paths[group] = group, (str(path), sha or report.get("checkpoint_sha256"))
+            return {**report, "seconds": time.perf_counter() - t0}
 
     def _quiesce(self, i: int, quiet_s: float = 1.0, timeout: float = 120) -> None:
         """Out of the ring, replica `i` finishes what it was sent: no request in flight for
@@ -257,7 +308,9 @@ class Fleet:
 
     def roll(self, path: str, sha: str | None = None) -> list[dict]:
         """Every replica onto `path` in place, one at a time (capacity N-1; no canary)."""
-        return [self.move(i, self.member[i], path, sha) for i in range(len(self.servers))]
+        out = [self.move(i, self.member[i], path, sha) for i in range(len(self.servers))]
+        self._record()
+        return out
 
     def canary(self, path: str, sha: str | None = None, fraction: float = 0.5) -> list[int]:
         """ceil(fraction N) replicas, at least 1 and at most N-1, serve `path` as the canary group;
@@ -293,6 +346,7 @@ class Fleet:
                 self.splitter.groups["stable"] = self.routers["canary"].url
             self.move(i, "canary", path, sha)
         self._rename("canary", "stable")
+        self._record()  # a restarted front door puts every replica back on it
 
     def rollback(self, timeout: float = 600) -> None:
         """No new canary episodes; once the open ones have ended, the canary replicas go back."""
@@ -322,10 +376,11 @@ class Fleet:
     def flush(self) -> None:
         """Every live replica's traces so far are in committed Parquet files."""
         for s in self.servers:
-            if s.proc.poll() is None:
+            if s.alive():
                 s.flush()
 
     def stop(self) -> None:
+        self._stopping.set()
         if self.splitter is not None:
             self.splitter.stop()
         for r in self.routers.values():
@@ -336,26 +391,32 @@ class Fleet:
 
 def serve_fleet(config: str | Path, overrides: list[str], serve_cfg) -> int:
     """`loop serve` with `serve.replicas` > 1: the replicas and the router on serve.host:port, until
-    SIGINT/SIGTERM. The fleet's admin API (rollout/server/fleet_admin.py) on serve.port and each
-    replica's take the token the config resolves (without one, a fresh token printed nowhere: no
-    admin API for you); a replica that dies is reported."""
+    SIGINT/SIGTERM; with `serve.replica_urls`, the front door alone over replicas started elsewhere
+    (held: `serve.start_held=true`). The fleet's admin API (rollout/server/fleet_admin.py) on
+    serve.port and each replica's take the token the config resolves (without one, a fresh token
+    printed nowhere: no admin API for you). A local replica that dies is restarted (held, then
+    released on its group's weights)."""
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.append(1))
     log_dir = Path(serve_cfg.trace_root).parent / "fleet-logs"
+    token = serve_cfg.resolved_admin_token()
+    if serve_cfg.replica_urls and not token:
+        raise ValueError(f"serve.replica_urls: the front door needs the replicas' admin token in "
+                         f"${serve_cfg.admin_token_env} (serve.admin_token_env) or serve.admin_token_file")
     fleet = Fleet(config, serve_cfg.model, serve_cfg.trace_root, log_dir, serve_cfg.replicas,
                   overrides=[o for o in overrides if not o.startswith(("serve.replicas=", "serve.port=", "serve.host="))],
-                  admin_token=serve_cfg.resolved_admin_token(), host=serve_cfg.host, port=serve_cfg.port)
+                  admin_token=token, host=serve_cfg.host, port=serve_cfg.port, replica_urls=serve_cfg.replica_urls,
+                  episode_idle_s=serve_cfg.episode_idle_s)
     with fleet:
-        print(f"serving {serve_cfg.replicas} replicas behind vllm-router on {fleet.url} "
+        print(f"serving {len(fleet.servers)} replicas behind vllm-router on {fleet.url} "
               f"(replicas: {', '.join(s.url for s in fleet.servers)}; logs {log_dir})", flush=True)
-        dead: set[int] = set()
         while not stop:
             for i, s in enumerate(fleet.servers):
-                if i not in dead and s.proc.poll() is not None:
-                    dead.add(i)
+                if not s.alive():
                     print(f"replica r{i} ({s.url}) exited with {s.proc.returncode}; the router routes around it "
-                          f"(log {s.log_path})", flush=True)
+                          f"while it restarts (log {s.log_path})", flush=True)
+                    fleet.restart(i)
             if fleet.router.proc.poll() is not None:
                 print(f"vllm-router exited with {fleet.router.proc.returncode} (log {fleet.router.log_path})", flush=True)
                 return 1

@@ -123,6 +123,9 @@ class FlywheelMiddleware:
                                       [(b"retry-after", b"1")])
         if (problem := _tool_schema_problem(body)) is not None:
             return await self._reject(scope, body, send, 400, problem, "BadRequestError")
+        if st.held:  # its weights are not yet confirmed as its version group's
+            return await self._reject(scope, body, send, 503, st.unhealthy(), "ServiceUnavailableError",
+                                      [(b"retry-after", b"1")])
         if st.cfg.trace_durability == "commit" and (failure := st.writer.failure):
             return await self._reject(scope, body, send, 503, f"traces cannot be made durable ({failure}); "
                                       "refusing in commit durability", "ServiceUnavailableError")

@@ -42,7 +42,24 @@ def _die_with_parent() -> None:
         pass
 
 
-class ServerProcess:
+class AdminClient:
+    """A server's admin API (`url`, `admin_token`): what a fleet asks of each replica."""
+
+    url: str
+    admin_token: str
+
+    def admin(self, method: str, path: str, **kw) -> httpx.Response:
+        return httpx.request(method, self.url + path, headers={"authorization": f"Bearer {self.admin_token}"},
+                             timeout=kw.pop("timeout", 120), **kw)
+
+    def flush(self) -> None:
+        """Every trace and feedback row accepted so far is in a committed Parquet file."""
+        r = self.admin("POST", "/admin/flush")
+        if r.status_code != 200:
+            raise RuntimeError(f"POST /admin/flush: {r.status_code} {r.text}")
+
+
+class ServerProcess(AdminClient):
     def __init__(self, config: str | Path, model: str | Path, trace_root: str | Path, log_path: str | Path,
                  overrides: list[str] = (), env: dict | None = None, admin_token: str | None = None,
                  port: int | None = None):
@@ -71,12 +88,14 @@ class ServerProcess:
         self.stop()
 
     def wait_healthy(self, timeout: float = 300) -> "ServerProcess":
+        """Until /health answers 200, or 503 "held:" (a fleet replica up and waiting for its release)."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode} (log {self.log_path}):\n{self.log_tail()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                r = httpx.get(self.url + "/health", timeout=2)
+                if r.status_code == 200 or (r.status_code == 503 and "held:" in r.text):  # up, or up and held
                     return self
             except httpx.HTTPError:
                 pass
@@ -87,15 +106,8 @@ class ServerProcess:
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
-    def admin(self, method: str, path: str, **kw) -> httpx.Response:
-        return httpx.request(method, self.url + path, headers={"authorization": f"Bearer {self.admin_token}"},
-                             timeout=kw.pop("timeout", 120), **kw)
-
-    def flush(self) -> None:
-        """Every trace and feedback row accepted so far is in a committed Parquet file."""
-        r = self.admin("POST", "/admin/flush")
-        if r.status_code != 200:
-            raise RuntimeError(f"POST /admin/flush: {r.status_code} {r.text}")
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> None:
         if self.proc.poll() is None:

@@ -1,5 +1,5 @@
 """Flywheel's routes beside vLLM's: /metrics, POST /v1/feedback (one object or an array),
-GET /admin/status, POST /admin/flush, POST /admin/weights.
+GET /admin/status, POST /admin/flush, POST /admin/weights, POST /admin/release (a held fleet replica).
 
 The admin API takes `Authorization: Bearer <token>` (from the env var named by serve.admin_token_env,
 or the file serve.admin_token_file): 401 without a bearer token, 403 with a wrong one (or when no token is
@@ -60,6 +60,8 @@ def add_routes(app, st) -> None:
                 return _err(400, f"{where}feedback must be a JSON object")
             if unknown := set(item) - FEEDBACK_FIELDS:
                 return _err(400, f"{where}unknown fields {sorted(unknown)}; allowed: {sorted(FEEDBACK_FIELDS)}")
+            if "trace_id" not in item:
+                return _err(400, f"{where}feedback needs a trace_id (a turn's x-flywheel-trace-id header)")
             fid = item.get("feedback_id")
             if fid is not None and (not isinstance(fid, str) or not 0 < len(fid) <= 128):
                 return _err(400, f"{where}feedback_id must be a string of 1..128 characters")
@@ -97,8 +99,19 @@ def add_routes(app, st) -> None:
         w = st.engine.weights
         return {"weight_version": w.version, "path": w.path, "checkpoint_sha256": w.checkpoint_sha256,
                 "draft_path": w.draft_path,
-                "in_flight": st.engine.gate.in_flight, "gate_open": st.engine.gate.is_open,
+                "in_flight": st.engine.gate.in_flight, "gate_open": st.engine.gate.is_open, "held": st.held,
                 "stack": dict((w.stack or st.stack).__dict__), "failure": st.unhealthy()}
+
+    @app.post("/admin/release")
+    async def admin_release(request: Request):
+        """A held fleet replica (serve.start_held) takes traffic from now on: its front door has
+        checked that it serves its version group's weights."""
+        if (denied := _auth(request)) is not None:
+            return denied
+        if st.held:
+            log.info("released by the fleet's front door at weight version %d", st.engine.weights.version)
+        st.held = False
+        return {"held": False, "weight_version": st.engine.weights.version}
 
     @app.post("/admin/flush")
     async def admin_flush(request: Request):

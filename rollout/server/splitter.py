@@ -13,7 +13,8 @@ episode id, and every later turn of that episode goes to the same group, whateve
 become since. An episode is open until its feedback arrives (`POST /v1/feedback` naming it) or it
 has been idle for `idle_s`; a group's last replica leaves only once no episode is open on it. A replica moves between groups only out of both rings, so an episode's turns all run
 on one version; an episode without a key goes to "stable". Bodies and headers pass through
-unchanged; responses stream back as they come.
+unchanged; responses stream back as they come; a stream cut off by a replica's death ends with an
+SSE error event; feedback goes straight to a replica (vllm-router drops headers on it).
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ def bucket(key: str) -> float:
 
 class Splitter:
     def __init__(self, groups: dict[str, str], host: str = "127.0.0.1", port: int = 0, idle_s: float = 300.0,
-                 admin=None):
+                 admin=None, replicas=None):
         self.groups = dict(groups)  # name -> base URL (a router)
         self.admin = admin  # an async handler for /admin/* (the fleet's: rollout/server/fleet_admin.py)
+        self.replicas = replicas  # () -> every replica's URL: feedback goes to one directly (see _target)
         self.fraction = 0.0  # of new episodes to "canary"
         self.host, self.port, self.idle_s = host, port, idle_s
         self.pins: dict[str, tuple[str, float, int]] = {}  # episode -> (group, last activity, requests running)
@@ -100,24 +102,53 @@ class Splitter:
         finally:
             self._done(key)
 
+    def _targets(self, request: web.Request, group: str, body: bytes) -> list[str]:
+        """Where a request goes: its group's router; feedback straight to a replica instead (any
+        replica stores it in the one trace root), because vllm-router forwards routes it does not
+        know without the client's headers, its API key among them. The replica is chosen by a hash
+        of the body, so a retried post reaches the replica that remembers its feedback_id; the
+        others follow in order, in case it is down."""
+        if request.path == "/v1/feedback" and self.replicas is not None and (urls := sorted(self.replicas())):
+            k = int(bucket(body.decode(errors="replace")) * len(urls))
+            return urls[k:] + urls[:k]
+        return [self.groups.get(group) or self.groups["stable"]]  # a group renamed away meanwhile: stable
+
     async def _forward(self, request: web.Request, group: str) -> web.StreamResponse:
         body = await request.read()
         if request.path == "/v1/feedback":
             self._close(body)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
-        try:
-            base = self.groups.get(group) or self.groups["stable"]  # a group renamed away meanwhile
-            upstream = await self._client.request(request.method, base + request.rel_url.raw_path_qs,
-                                                   headers=headers, data=body)
-        except Exception as e:  # the group's router is down: a clean 502, the client retries
-            return web.json_response({"error": {"message": f"{group} router: {type(e).__name__}: {e}"}}, status=502)
+        errors = []
+        for base in self._targets(request, group, body):
+            try:
+                upstream = await self._client.request(request.method, base + request.rel_url.raw_path_qs,
+                                                       headers=headers, data=body)
+                break
+            except Exception as e:  # down: the next target, else a clean 502 (the client retries)
+                errors.append(f"{base}: {type(e).__name__}: {e}")
+        else:
+            return web.json_response({"error": {"message": f"{group}: " + "; ".join(errors), "code": 502}}, status=502)
         async with upstream:
             resp = web.StreamResponse(status=upstream.status, headers={
                 k: v for k, v in upstream.headers.items() if k.lower() not in HOP | {"content-encoding"}})
             resp.headers["x-flywheel-version-group"] = group
             await resp.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await resp.write(chunk)
+            sse, tail, why = upstream.headers.get("content-type", "").startswith("text/event-stream"), b"", None
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await resp.write(chunk)
+                    tail = (tail + chunk)[-32:]
+            except (ConnectionResetError, asyncio.CancelledError):
+                raise  # the client left
+            except Exception as e:  # the replica died mid-response
+                why = f"{type(e).__name__}: {e}"
+            if sse and b"[DONE]" not in tail and b'"error"' not in tail:
+                # a stream that ended without its end: the replica serving it failed (or was killed)
+                # mid-response. Said as the server says its own mid-stream failures, so a client
+                # sees a clean error event, not a truncated stream, and abandons or retries the turn.
+                msg = f"the replica serving this stream failed mid-response ({why or 'it closed the stream'})"
+                await resp.write(b"data: " + json.dumps({"error": {
+                    "message": msg, "type": "ServiceUnavailableError", "code": 503}}).encode() + b"\n\n")
             await resp.write_eof()
             return resp
 

@@ -77,19 +77,29 @@ def test_every_turn_of_an_episode_on_one_replica_and_one_version_read_as_one_dat
 
 
 def test_a_replica_killed_under_load(fleet, tiny_tokenizer):
-    """SIGKILL r1 mid-collection: its in-flight requests fail and are retried on the survivor (by
-    the router, else by the collector), no episode is lost, new episodes go to the survivor, an
+    """SIGKILL r1 mid-collection and mid-streams: its in-flight requests fail and are retried on
+    the survivor (by the router, else by the collector), a stream it was sending ends with an SSE
+    error event (the client abandons or retries that turn), no episode is lost, new episodes go to the survivor, an
     episode that moved keeps one version, and the restarted r1 brings back every trace it had
     committed (its WAL, adopted)."""
-    out = {}
+    out, streams, stop = {}, Counter(), threading.Event()
     worker = threading.Thread(target=lambda: out.update(r=_collect(fleet, tiny_tokenizer, "kill", 96, seed=5)))
     before = {e for e in _episodes(read_traces(fleet.servers[0].trace_root).to_pylist(), "kill")}
     assert not before
-    worker.start()
+    streamers = [threading.Thread(target=_stream_until, args=(fleet, f"ks{j}", stop, streams)) for j in range(3)]
+    for t in [worker, *streamers]:
+        t.start()
     time.sleep(4)  # mid-load
     victim = fleet.servers[1]
     victim.stop(sig=signal.SIGKILL)
     worker.join(600)
+    stop.set()
+    for t in streamers:
+        t.join(120)
+    # a stream cut off by the kill ends cleanly: an SSE error event naming the failure, never a
+    # truncated or hung response; the others complete
+    print(f"streams under the kill: {dict(streams)}")
+    assert streams["ok"] > 10 and set(streams) <= {"ok", "error event", "http 502", "http 503"}, streams
     results, stats = out["r"]
     assert stats.episodes_ok == stats.episodes == 384, Counter(r.error for r in results if r.error)
     assert stats.seconds > 6, "the load ended before the kill"
@@ -111,6 +121,30 @@ def test_a_replica_killed_under_load(fleet, tiny_tokenizer):
         assert len({t["weight_version"] for t in ts}) == 1
     print(f"killed r1 under load: {len(moved)} episodes moved to r0, client retries {stats.retries}")
     assert httpx.get(fleet.url + "/v1/models", timeout=10).status_code == 200
+
+
+def _stream_until(fleet, run: str, stop: threading.Event, outcomes: Counter) -> None:
+    """Streaming completions (64 tokens) until `stop`; each outcome counted: "ok" ([DONE]), "error
+    event" (the stream ended with an SSE error event), "http N" (a JSON error), "broken" (anything else)."""
+    i = 0
+    with httpx.Client(timeout=60) as c:
+        while not stop.is_set():
+            i += 1
+            try:
+                with c.stream("POST", fleet.url + "/v1/completions", headers={"x-session-id": f"{run}-{i}"},
+                              json={"model": "flywheel", "prompt": [1, 2, 3], "max_tokens": 64, "stream": True,
+                                    "temperature": 1.0, "ignore_eos": True}) as r:
+                    body = "".join(r.iter_text())
+                if r.status_code != 200:
+                    outcomes[f"http {r.status_code}"] += 1
+                elif body.rstrip().endswith("data: [DONE]"):
+                    outcomes["ok"] += 1
+                elif '"error"' in body.rstrip().rsplit("\n", 1)[-1] and "mid-response" in body:
+                    outcomes["error event"] += 1
+                else:
+                    outcomes["broken"] += 1
+            except httpx.HTTPError as e:
+                outcomes[f"broken: {type(e).__name__}"] += 1
 
 
 def test_loop_serve_replicas_starts_the_fleet(tiny_base, tiny_cfg, tmp_path):
@@ -141,6 +175,99 @@ def test_loop_serve_replicas_starts_the_fleet(tiny_base, tiny_cfg, tmp_path):
         p.wait(120)
     assert p.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
     assert not any(httpx_ok(u) for u in workers), "replicas left running"
+
+
+def test_a_front_door_over_replicas_started_elsewhere(tiny_base, tiny_cfg, tmp_path):
+    """What infra/k8s/serving.yaml runs: replicas started held by someone else (a StatefulSet),
+    and `loop serve ... serve.replica_urls=[...]`, the front door alone over them, with an API key.
+    The front door releases them on the stable checkpoint; a promotion through its admin API rolls
+    both; a replica that restarts (on the model its command names, held) serves nothing until the
+    front door has put it back on the fleet's checkpoint; feedback through the front door keeps
+    the API key (vllm-router alone would drop it)."""
+    import os
+    import secrets
+    import subprocess
+    import sys
+
+    from srv_util import perturbed_copy
+
+    from rollout.artifacts import checkpoint_sha256
+    from rollout.server.process import ServerProcess, free_port
+    from rollout.traces import read_feedback
+
+    token, key, data = secrets.token_hex(8), secrets.token_hex(8), tmp_path / "data"
+    env = {"FW_TEST_API_KEY": key}
+    common = ["serve.quant=none", f"bootstrap.cache_dir={tiny_cfg.bootstrap.cache_dir}", "serve.api_key_env=FW_TEST_API_KEY",
+              f"serve.weights_roots=[{tmp_path}]", "serve.drain_timeout_s=30"]
+
+    def replica(i: int, port: int | None = None) -> ServerProcess:  # what the StatefulSet's pod runs
+        return ServerProcess(REPO / "conf" / "tiny.yaml", tiny_base.path, data, tmp_path / f"k{i}.log", env=env,
+                             overrides=[*common, "serve.start_held=true", f"serve.replica=k{i}"], admin_token=token,
+                             port=port)
+
+    replicas = [replica(0), replica(1)]
+    door, port = None, free_port()
+    auth = {"authorization": f"Bearer {key}"}
+    try:
+        for r in replicas:
+            r.wait_healthy()
+        held = httpx.post(replicas[0].url + "/v1/completions", headers=auth, timeout=30,
+                          json={"model": "flywheel", "prompt": [1, 2, 3], "max_tokens": 2})
+        assert held.status_code == 503 and "held" in held.text, held.text
+        door = subprocess.Popen(
+            [sys.executable, "-m", "loop.cli", "serve", str(REPO / "conf" / "tiny.yaml"), *common, f"serve.port={port}",
+             f"serve.replica_urls=[{replicas[0].url},{replicas[1].url}]", f"serve.trace_root={data}",
+             "serve.episode_idle_s=5"],
+            env={**os.environ, **env, "FLYWHEEL_ADMIN_TOKEN": token}, cwd=REPO, start_new_session=True,
+            stdout=open(tmp_path / "door.log", "w"), stderr=subprocess.STDOUT)
+        url, log = f"http://127.0.0.1:{port}", tmp_path / "door.log"
+        deadline = time.time() + 300
+        while time.time() < deadline and "serving 2 replicas" not in log.read_text():
+            assert door.poll() is None, log.read_text()[-3000:]
+            time.sleep(1)
+
+        def complete(ep: str) -> httpx.Response:
+            return httpx.post(url + "/v1/completions", headers={**auth, "x-session-id": ep}, timeout=60,
+                              json={"model": "flywheel", "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 1.0})
+
+        assert complete("a").status_code == 200
+        assert httpx.post(url + "/v1/completions", timeout=30, json={"model": "flywheel", "prompt": [1], "max_tokens": 1}
+                          ).status_code == 401
+        new = perturbed_copy(tiny_base.path, tmp_path / "new", scale=0.005)
+        admin = {"authorization": f"Bearer {token}"}
+        r = httpx.post(url + "/admin/weights", headers=admin, timeout=600,
+                       json={"path": str(new), "checkpoint_sha256": checkpoint_sha256(new)})
+        assert r.status_code == 200, r.text
+        v_new = r.json()["weight_version"]
+
+        replicas[1].stop(sig=signal.SIGKILL)  # the pod dies; its supervisor starts it again, held, on the base model
+        replicas[1] = replica(1, port=replicas[1].port).wait_healthy()
+        deadline = time.time() + 120
+        while (st := replicas[1].admin("GET", "/admin/status").json())["held"] and time.time() < deadline:
+            assert complete(f"h{time.time()}").status_code == 200  # r0 serves meanwhile
+            time.sleep(0.5)
+        assert not st["held"] and st["checkpoint_sha256"] == checkpoint_sha256(new), st
+        done = [complete(f"after-{i}") for i in range(24)]
+        assert all(r.status_code == 200 for r in done)
+
+        trace = done[0].headers["x-flywheel-trace-id"]
+        fb = httpx.post(url + "/v1/feedback", headers=auth, timeout=30,
+                        json={"trace_id": trace, "episode_id": "after-0", "reward": 1.0})
+        assert fb.status_code == 200, fb.text
+        assert httpx.post(url + "/v1/feedback", timeout=30, json={"trace_id": trace, "reward": 1.0}).status_code == 401
+        assert httpx.post(url + "/admin/flush", headers=admin, timeout=60).status_code == 200
+        rows = [t for t in read_traces(data).to_pylist() if t["status"] == "ok"]
+        late = [t for t in rows if (t["episode_id"] or "").startswith(("h", "after"))]  # all after the restart
+        assert {t["weight_version"] for t in late} == {v_new}  # none ran on the base weights k1 restarted with
+        assert any(t["replica"] == "k1" for t in late), "the restarted replica took traffic once released"
+        assert "after-0" in set(read_feedback(data).column("episode_id").to_pylist())
+    finally:
+        if door is not None:
+            door.send_signal(signal.SIGTERM)
+            door.wait(120)
+        for r in replicas:
+            r.stop()
+    assert door.returncode == 0, (tmp_path / "door.log").read_text()[-3000:]
 
 
 def httpx_ok(url: str) -> bool:
