@@ -111,6 +111,11 @@ class ServeConfig:
     # The front door only (splitter, one vllm-router per version group, the admin API) over these
     # replicas, started elsewhere with start_held (the StatefulSet in infra/k8s/serving.yaml).
     replica_urls: list[str] = field(default_factory=list)
+    # How each version group's vllm-router places episodes: "consistent_hash" (X-Session-ID hashed
+    # onto the ring: a restarted router sends every episode back to its replica) or
+    # "sticky_least_loaded" (a new episode to the replica with the fewest, then kept there; the
+    # table is the router's memory, so a restarted router places them again, on the same version).
+    router_policy: str = "consistent_hash"
     # A fleet's episode without feedback is over once idle this long: a rollout's last stable
     # replica (and a rolled-back canary's) waits for its open episodes that long at most.
     episode_idle_s: float = 300.0
@@ -130,6 +135,9 @@ class ServeConfig:
             raise ValueError(f"start_held must be true or false, got {self.start_held!r}")
         if not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in self.replica_urls):
             raise ValueError(f"replica_urls must be http(s) URLs, got {list(self.replica_urls)!r}")
+        if self.router_policy not in ("consistent_hash", "sticky_least_loaded"):
+            raise ValueError(f"router_policy must be consistent_hash or sticky_least_loaded (the vllm-router "
+                             f"policies that keep an episode on one replica), got {self.router_policy!r}")
         if not self.episode_idle_s > 0:
             raise ValueError(f"episode_idle_s must be > 0, got {self.episode_idle_s}")
         if not 0 <= self.port < 65536:

@@ -356,13 +356,18 @@ class Fleet:
         self._wait_closed("canary", timeout)
         self.splitter.groups["canary"] = self.routers["stable"].url  # nothing pinned there now
         path, sha = self.paths["stable"]
-        for i in [i for i, g in enumerate(self.member) if g == "canary"]:
-            self.move(i, "stable", path, sha)
-        self.splitter.groups.pop("canary")
-        self.routers.pop("canary").stop()
-        self.paths.pop("canary", None)
+        with self._lock:  # the supervisor sees the groups before or after, never half-way
+            for i in [i for i, g in enumerate(self.member) if g == "canary"]:
+                self.move(i, "stable", path, sha)
+            self.splitter.groups.pop("canary")
+            self.routers.pop("canary").stop()
+            self.paths.pop("canary", None)
 
     def _rename(self, old: str, new: str) -> None:
+        with self._lock:  # the supervisor sees the groups before or after, never half-way
+            self._renamed(old, new)
+
+    def _renamed(self, old: str, new: str) -> None:
         empty = self.routers.pop(new)
         self.routers[new] = self.routers.pop(old)
         self.paths[new] = self.paths.pop(old)
@@ -407,7 +412,7 @@ def serve_fleet(config: str | Path, overrides: list[str], serve_cfg) -> int:
     fleet = Fleet(config, serve_cfg.model, serve_cfg.trace_root, log_dir, serve_cfg.replicas,
                   overrides=[o for o in overrides if not o.startswith(("serve.replicas=", "serve.port=", "serve.host="))],
                   admin_token=token, host=serve_cfg.host, port=serve_cfg.port, replica_urls=serve_cfg.replica_urls,
-                  episode_idle_s=serve_cfg.episode_idle_s)
+                  episode_idle_s=serve_cfg.episode_idle_s, policy=serve_cfg.router_policy)
     with fleet:
         print(f"serving {len(fleet.servers)} replicas behind vllm-router on {fleet.url} "
               f"(replicas: {', '.join(s.url for s in fleet.servers)}; logs {log_dir})", flush=True)

@@ -137,12 +137,13 @@ class Splitter:
             try:
                 async for chunk in upstream.content.iter_any():
                     await resp.write(chunk)
-                    tail = (tail + chunk)[-32:]
+                    tail = (tail + chunk)[-4096:]
             except (ConnectionResetError, asyncio.CancelledError):
                 raise  # the client left
             except Exception as e:  # the replica died mid-response
                 why = f"{type(e).__name__}: {e}"
-            if sse and b"[DONE]" not in tail and b'"error"' not in tail:
+            last = tail.rstrip().rsplit(b"data: ", 1)[-1]  # the stream's last event
+            if sse and last != b"[DONE]" and not last.startswith(b'{"error"'):
                 # a stream that ended without its end: the replica serving it failed (or was killed)
                 # mid-response. Said as the server says its own mid-stream failures, so a client
                 # sees a clean error event, not a truncated stream, and abandons or retries the turn.
