@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         from rollout.server.app import check_servable, check_speculation
 
         if cfg.serve.replica_urls:  # the front door alone: the replicas (held) load their model
-            from rollout.server.fleet import serve_fleet
+            from rollout.server.fleet_serve import serve_fleet
 
             return serve_fleet(args.config, args.overrides, cfg.serve)
         model = cfg.serve.model
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"config error: {args.config}: {e}", file=sys.stderr)
             return 2
         if cfg.serve.replicas > 1:  # the replicas load the folder resolved (and quantized) here, once
-            from rollout.server.fleet import serve_fleet
+            from rollout.server.fleet_serve import serve_fleet
 
             return serve_fleet(args.config, [*args.overrides, f"serve.model={served.path}"], cfg.serve)
         serve(cfg.serve, engine_for(cfg, served), served.path)
