@@ -40,10 +40,29 @@ class PromoteConfig:
     canary_sequences: int = 4  # held-out episodes the server must reproduce after the swap
     canary_tolerance: float = 0.02  # mean |Δ logprob| of the server against the gate's engine (same kernels)
     swap_mode: str = "drain"  # the admin API's mode: "drain" | "keep"
+    # Into a fleet (collect.endpoint = a fleet's front door, rollout/server/fleet_admin.py): the
+    # candidate first serves `canary_fraction` of new episodes on its own replicas; with
+    # `canary_seconds` > 0 it is judged on that much live traffic (episode reward and token logprob
+    # against stable's, 95% intervals, these margins) and promoted fleet-wide only if not worse,
+    # else rolled back. 0: no live judgment (a fleet no one else sends traffic to during the
+    # promotion has nothing to judge it on).
+    canary_fraction: float = 0.5
+    canary_seconds: float = 0.0
+    canary_margin: float = 0.05
+    canary_logprob_margin: float = 0.5
 
     def __post_init__(self):
         if self.swap_mode not in ("drain", "keep"):
             raise ValueError(f"swap_mode must be 'drain' or 'keep', got {self.swap_mode!r}")
+        if not 0 < self.canary_fraction < 1:
+            raise ValueError(f"canary_fraction must be in (0, 1), got {self.canary_fraction}")
+        if not self.canary_seconds >= 0 or not self.canary_margin >= 0 or not self.canary_logprob_margin >= 0:
+            raise ValueError("canary_seconds, canary_margin and canary_logprob_margin must be >= 0")
+
+    def fleet_canary(self) -> dict:
+        """The `canary` of a fleet's /admin/weights."""
+        return {"fraction": self.canary_fraction, "seconds": self.canary_seconds, "margin": self.canary_margin,
+                "logprob_margin": self.canary_logprob_margin}
         if not self.canary_tolerance > 0 or self.canary_sequences < 1:
             raise ValueError("canary_tolerance must be > 0 and canary_sequences >= 1")
 
@@ -61,10 +80,12 @@ class AdminClient:
         return r.json()
 
     def swap(self, path: str, mode: str = "drain", draft_path: str | None = None, sha: str | None = None,
-             expected_current_sha: str | None = None) -> tuple[int, dict]:
+             expected_current_sha: str | None = None, canary: dict | None = None) -> tuple[int, dict]:
         """Swap the target (and the draft with it, when given) in one pause; `sha`: the weights
-        expected in `path`, `expected_current_sha`: those expected to serve now (else 409)."""
+        expected in `path`, `expected_current_sha`: those expected to serve now (else 409);
+        `canary`: a fleet's rollout (PromoteConfig.fleet_canary; a lone server has none)."""
         body = {"path": path, "mode": mode} | ({"draft_path": draft_path} if draft_path else {})
+        body |= {"canary": canary} if canary else {}
         body |= {k: v for k, v in (("checkpoint_sha256", sha), ("expected_current_sha", expected_current_sha)) if v}
         r = httpx.post(self.url + "/admin/weights", headers=self.headers, json=body, timeout=600)
         return r.status_code, r.json()
@@ -215,6 +236,8 @@ def promote(registry: Registry, server: AdminClient, version, path: str, cfg: Pr
         return Outcome("no_op", version.version, "its weights are the serving ones: nothing to swap",
                        seconds=time.perf_counter() - t0)
     now = server.status()
+    fleet = bool(now.get("fleet"))  # a fleet rolls out by canary, in drain mode
+    mode = "drain" if fleet else cfg.swap_mode
     if now["checkpoint_sha256"] == plan["to_sha"]:  # a rerun: the swap happened before the kill
         body = {"weight_version": now["weight_version"], "checkpoint_sha256": now["checkpoint_sha256"],
                 "path": now["path"], "resumed": True}
@@ -224,8 +247,8 @@ def promote(registry: Registry, server: AdminClient, version, path: str, cfg: Pr
         registry.tag(version.version, status="swap_refused", reason=reason)
         return Outcome("swap_refused", version.version, reason, seconds=time.perf_counter() - t0)
     else:
-        code, body = server.swap(path, cfg.swap_mode, draft_path, sha=plan["to_sha"],
-                                 expected_current_sha=plan["from_sha"])
+        code, body = server.swap(path, mode, draft_path, sha=plan["to_sha"],
+                                 expected_current_sha=plan["from_sha"], canary=cfg.fleet_canary() if fleet else None)
         if code != 200:
             reason = body.get("error", {}).get("message", str(body))
             registry.tag(version.version, status="swap_refused", reason=reason)
@@ -234,8 +257,9 @@ def promote(registry: Registry, server: AdminClient, version, path: str, cfg: Pr
     failpoint("promote:after_swap")
     check = canary(server, canary_seqs, expected)
     if not (check["finite"] and check["mean_abs_dlogprob"] <= cfg.canary_tolerance):
-        back, body_back = server.swap(plan["from_path"], cfg.swap_mode, plan["from_draft"] if draft_path else None,
-                                      sha=plan["from_sha"], expected_current_sha=plan["to_sha"])
+        back, body_back = server.swap(plan["from_path"], mode, plan["from_draft"] if draft_path else None,
+                                      sha=plan["from_sha"], expected_current_sha=plan["to_sha"],
+                                      canary={**cfg.fleet_canary(), "seconds": 0} if fleet else None)
         reason = (f"canary after the swap: mean |Δ logprob| {check['mean_abs_dlogprob']:.4g} against the gate's "
                   f"engine (tolerance {cfg.canary_tolerance:g}); swapped back ({back})")
         registry.tag(version.version, status="rolled_back", reason=reason, canary=check)

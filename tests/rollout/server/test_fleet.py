@@ -322,7 +322,8 @@ def test_the_loop_promotes_into_the_fleet_through_its_admin_api(fleet, tiny_toke
     """The loop's own admin client (pipelines.promote.AdminClient) on the fleet's front door: a
     swap rolls the whole fleet version by version under load (no failed request, every episode on
     one version), a wrong `expected_current_sha` is a 409 that moves nothing, a checkpoint a
-    replica refuses is a 409 that leaves serving as it was."""
+    replica refuses is a 409 that leaves serving as it was, and a canary judged on live traffic
+    (promote.canary_seconds) with no evidence is rolled back."""
     from srv_util import perturbed_copy
 
     from pipelines.promote import AdminClient
@@ -354,3 +355,13 @@ def test_the_loop_promotes_into_the_fleet_through_its_admin_api(fleet, tiny_toke
     assert code == 409 and "canary refused" in body["error"]["message"], body
     after = admin.status()
     assert {(r["checkpoint_sha256"], r["group"]) for r in after["replicas"]} == {(checkpoint_sha256(nxt), "stable")}
+
+    # the loop's promote.canary_* keys: judged on 3 s of live traffic, of which there is none here,
+    # the canary has no evidence of being not worse: rolled back, serving as it was
+    from pipelines.promote import PromoteConfig
+
+    judged = PromoteConfig(canary_seconds=3, canary_fraction=0.5).fleet_canary()
+    other = perturbed_copy(tiny_base.path, tmp_path / "other", scale=0.005, seed=7)
+    code, body = admin.swap(str(other), sha=checkpoint_sha256(other), canary=judged)
+    assert code == 409 and "canary rolled back" in body["error"]["message"], body
+    assert {(r["checkpoint_sha256"], r["group"]) for r in admin.status()["replicas"]} == {(checkpoint_sha256(nxt), "stable")}
