@@ -210,7 +210,10 @@ class Fleet:
         seen on its path."""
         with self._lock:
             s, group = self.servers[i], self.member[i]
-            st = s.admin("GET", "/admin/status", timeout=10).json()
+            r = s.admin("GET", "/admin/status", timeout=10)
+            if r.status_code != 200:  # e.g. a replica started with another admin token: said, not guessed
+                raise RuntimeError(f"replica {s.url}: GET /admin/status {r.status_code}: {r.text[:300]}")
+            st = r.json()
             on = self._on(st, group)
             if on and self.paths[group][1] is None:
                 self.paths[group] = (self.paths[group][0], st["checkpoint_sha256"])
