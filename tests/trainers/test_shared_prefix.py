@@ -62,14 +62,17 @@ def test_runs_cover_the_rows_with_each_groups_common_prefix():
     assert ep.minibatch([0, 1, 4], share_prefix=8).runs == ((0, 2, 20), (2, 3, 0))
     assert ep.minibatch([0, 1], share_prefix=21).runs == ((0, 2, 0),)
     assert ep.minibatch([0, 1]).runs == ()
+    # rows of different groups sharing nothing are one run: one batched forward, not one per row
+    assert ep.minibatch([6, 0, 4, 1, 2], share_prefix=8).runs == ((0, 3, 0), (3, 5, 20))
+    assert ep.minibatch([6, 3, 4], share_prefix=8).runs == ((0, 3, 0),)
 
 
-def test_shared_prefix_forward_equals_the_padded_forward():
+@pytest.mark.parametrize("rows", [[3, 0, 2, 1, 5, 4, 6], [6, 3, 4, 2, 0, 1]])
+def test_shared_prefix_forward_equals_the_padded_forward(rows):
     model, ep = _model(), _episodes()
-    rows = [3, 0, 2, 1, 5, 4, 6]
     want_lp, want_grads = _logprobs_and_grads(model, ep.minibatch(rows))
     mb = ep.minibatch(rows, share_prefix=8)
-    assert any(p for _, _, p in mb.runs)
+    assert any(p for _, _, p in mb.runs)  # rows1: a run of three groups' single rows, then a's prompt
     lp, grads = _logprobs_and_grads(model, mb)
     on = mb.loss_mask.bool()
     assert torch.allclose(lp[on], want_lp[on], atol=1e-5)
@@ -90,6 +93,9 @@ def test_fake_quant_once_quantizes_each_weight_once_per_step(monkeypatch):
     calls.clear()
     token_logprobs(model, mb)
     assert len(calls) == 5 * layers  # outside: every forward fake-quantizes again
+    calls.clear()
+    token_logprobs(model, ep.minibatch([6, 3, 4], share_prefix=8))
+    assert len(calls) == layers  # three groups' single rows: one forward
     with torch.no_grad(), fake_quant_once(model):
         token_logprobs(model, mb)
         with torch.enable_grad():
