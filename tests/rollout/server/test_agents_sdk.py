@@ -73,3 +73,28 @@ def test_an_agents_sdk_agent_plays_through_the_endpoint(srv_main, tiny_base, tmp
                     if row["input_ids"][:len(t["prompt_token_ids"]) + len(t["completion_token_ids"])]
                     == list(t["prompt_token_ids"]) + list(t["completion_token_ids"])]
             assert sum(row["assistant_mask"]) == sum(len(t["completion_token_ids"]) for t in mine) > 0
+
+
+def test_outside_traffic_from_the_framework_agent_is_rated_not_rewarded(srv_main):
+    """examples/outside_traffic.py --agent: the SDK agent plays each problem once through the plugin
+    runner's client; the server gets one user thumbs per episode (up exactly where the agent's answer
+    was right) and no reward: what `collect.source: traffic` then trains on."""
+    import importlib.util
+
+    from rollout.tasks.calculator import make_problems
+    from rollout.traces import read_feedback
+
+    spec = importlib.util.spec_from_file_location("outside_traffic", REPO / "examples" / "outside_traffic.py")
+    traffic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(traffic)
+    problems = make_problems("train", 12, seed=77)
+    rows = asyncio.run(traffic.agent_round(srv_main.url, problems, f"{REPO / 'examples' / 'agents_sdk_calculator.py'}:play"))
+    assert len(rows) >= 10 and len({e for _, e, _ in rows}) == len(rows)  # one per problem played
+    assert asyncio.run(traffic.post_ratings(srv_main.url, rows)) == len(rows)
+    srv_main.flush()
+    mine = {e: up for _, e, up in rows}
+    fb = [r for r in read_feedback(srv_main.trace_root, columns=["episode_id", "rating", "reward", "source"]).to_pylist()
+          if r["episode_id"] in mine]
+    assert sorted(r["episode_id"] for r in fb) == sorted(mine)  # one row each: the thumbs, no reward row
+    assert all(r["source"] == "user" and r["reward"] is None and r["rating"] == (1 if mine[r["episode_id"]] else -1)
+               for r in fb)
