@@ -31,6 +31,7 @@ class Sequences:
     # the distribution it was drawn from) and the episode's reward: what off-policy evaluation weighs
     behaviour: tuple[tuple[float, ...], ...] = ()
     rewards: tuple[float, ...] = ()
+    group_ids: tuple[str, ...] = ()  # per sequence, from a dataset: its GRPO group (OPE resamples groups)
 
     @property
     def num_scored(self) -> int:
@@ -45,7 +46,8 @@ class Sequences:
 
     def rows(self, start: int, stop: int | None = None) -> "Sequences":
         return Sequences(self.ids[start:stop], self.sampled[start:stop], self.source, self.episode_ids[start:stop],
-                         self.temperatures[start:stop], self.behaviour[start:stop], self.rewards[start:stop])
+                         self.temperatures[start:stop], self.behaviour[start:stop], self.rewards[start:stop],
+                         self.group_ids[start:stop])
 
 
 def dataset_sequences(dataset: str | Path, split: str, max_sequences: int, seed: int = 0) -> Sequences:
@@ -63,7 +65,7 @@ def dataset_sequences(dataset: str | Path, split: str, max_sequences: int, seed:
         if file_sha256(folder / rel) != manifest.files[rel]:
             raise ValueError(f"{folder / rel} does not match its dataset manifest sha256")
     rows = [r for rel in files for r in pq.read_table(folder / rel, columns=[
-        "episode_id", "input_ids", "assistant_mask", "temperatures", "behaviour_logprobs", "reward"]).to_pylist()]
+        "episode_id", "group_id", "input_ids", "assistant_mask", "temperatures", "behaviour_logprobs", "reward"]).to_pylist()]
     rows = [r for r in rows if any(r["assistant_mask"][1:])]
     if not rows:
         raise ValueError(f"{folder}: split {split!r} holds no episodes with sampled tokens")
@@ -72,7 +74,7 @@ def dataset_sequences(dataset: str | Path, split: str, max_sequences: int, seed:
     return Sequences(tuple(tuple(r["input_ids"]) for r in rows), tuple(tuple(r["assistant_mask"]) for r in rows),
                      f"{folder}:{split}", tuple(r["episode_id"] for r in rows),
                      tuple(tuple(r["temperatures"]) for r in rows), tuple(tuple(r["behaviour_logprobs"]) for r in rows),
-                     tuple(float(r["reward"]) for r in rows))
+                     tuple(float(r["reward"]) for r in rows), tuple(r["group_id"] for r in rows))
 
 
 def batches(seqs: Sequences, batch_size: int):

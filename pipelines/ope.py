@@ -18,8 +18,11 @@ if it earned their rewards. An RL candidate moves mass off: on the loop's candid
 0.82-1.01, and self-normalizing overstated the delta (`bench/ope_check.py`, 7 candidates of one
 run: MAE vs the paired eval delta 5.8 points self-normalized, 3.7 plain). Plain is the default.
 The interval resamples episodes (a percentile bootstrap of V - mean r on the same resample, so the
-prompts' difficulty cancels as in the paired test). A small ESS says the candidate left the logged
-traffic's support: the interval is then wide and the gate rightly refuses to call it.
+prompts' difficulty cancels as in the paired test), or whole clusters of them where `clusters`
+names one per episode: the held-out GRPO groups, 8 draws of one prompt whose outcomes move
+together, are resampled as groups (a cluster bootstrap), else the interval would claim the
+precision of 8x as many prompts. A small ESS says the candidate left the logged traffic's support:
+the interval is then wide and the gate rightly refuses to call it.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class OPEEstimate:
     max_weight: float
     mean_weight: float  # < 1: the candidate moved probability mass off the logged episodes
     normalized: bool
+    clusters: int = 0  # the units the interval resampled when they were groups of episodes (0: episodes)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -58,9 +62,10 @@ def estimate(w: torch.Tensor, r: torch.Tensor, normalize: bool) -> torch.Tensor:
 
 
 def ope(log_ratios, rewards, clip: float = 10.0, alpha: float = 0.1, resamples: int = 2000,
-        seed: int = 0, normalize: bool = False) -> OPEEstimate:
+        seed: int = 0, normalize: bool = False, clusters=None) -> OPEEstimate:
     """The candidate's value on logged episodes (`log_ratios[i]` = its log-likelihood minus the
-    behaviour's over episode i's sampled tokens, `rewards[i]` the logged reward)."""
+    behaviour's over episode i's sampled tokens, `rewards[i]` the logged reward; `clusters[i]`, if
+    given, the unit the bootstrap resamples episode i with: its group)."""
     lr = torch.as_tensor(log_ratios, dtype=torch.float64)
     r = torch.as_tensor(rewards, dtype=torch.float64)
     if lr.ndim != 1 or lr.shape != r.shape or len(r) < 2:
@@ -72,14 +77,31 @@ def ope(log_ratios, rewards, clip: float = 10.0, alpha: float = 0.1, resamples: 
     w = lr.clamp(max=math.log(clip)).exp()
     value = float(estimate(w, r, normalize))
     logged = float(r.mean())
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(len(r), (resamples, len(r)), generator=g)
-    deltas = estimate(w[idx], r[idx], normalize) - r[idx].mean(-1)
+    deltas = _bootstrap(w, r, clusters, resamples, seed, normalize)
     lower, upper = torch.quantile(deltas, torch.tensor([alpha, 1 - alpha], dtype=torch.float64)).tolist()
     return OPEEstimate(n=len(r), value=value, logged=logged, delta=value - logged, lower=lower, upper=upper,
                        ess=float(w.sum() ** 2 / (w ** 2).sum()), clipped=int((lr > math.log(clip)).sum()),
                        clip=clip, alpha=alpha, max_weight=float(w.max()), mean_weight=float(w.mean()),
-                       normalized=normalize)
+                       normalized=normalize, clusters=len(set(clusters)) if clusters is not None else 0)
+
+
+def _bootstrap(w: torch.Tensor, r: torch.Tensor, clusters, resamples: int, seed: int, normalize: bool) -> torch.Tensor:
+    """`resamples` bootstrap draws of V - mean r: of episodes, or of whole clusters (per-cluster
+    sums of w r, w, r and counts, so a draw of clusters is a draw of all their episodes)."""
+    g = torch.Generator().manual_seed(seed)
+    if clusters is None:
+        idx = torch.randint(len(r), (resamples, len(r)), generator=g)
+        return estimate(w[idx], r[idx], normalize) - r[idx].mean(-1)
+    if len(clusters) != len(r):
+        raise ValueError(f"one cluster per episode: got {len(clusters)} for {len(r)} episodes")
+    names: dict = {}
+    of = torch.tensor([names.setdefault(c, len(names)) for c in clusters])
+    sums = lambda x: torch.zeros(len(names), dtype=torch.float64).index_add_(0, of, x)  # noqa: E731
+    wr, ws, rs, ns = sums(w * r), sums(w), sums(r), sums(torch.ones_like(r))
+    idx = torch.randint(len(names), (resamples, len(names)), generator=g)
+    n = ns[idx].sum(-1)
+    value = wr[idx].sum(-1) / (ws[idx].sum(-1).clamp_min(1e-300) if normalize else n)
+    return value - rs[idx].sum(-1) / n
 
 
 def episode_log_ratios(candidate: torch.Tensor, behaviour: torch.Tensor, counts: list[int]) -> torch.Tensor:

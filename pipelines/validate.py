@@ -229,8 +229,12 @@ class KLGate:
         mine = at_temperature(model_logprobs(cand, s), scored_temperatures(s))
         targets = scored_targets(s)
         ratios = episode_log_ratios(mine[torch.arange(len(targets)), targets], scored_behaviour(s), scored_counts(s))
-        ratios, rewards = per_episode(ratios, s.rewards, s.episode_ids or range(len(s.rewards)))
-        est = ope(ratios, rewards, clip=self.cfg.ope_clip, alpha=self.cfg.success_alpha, normalize=self.cfg.ope_normalize)
+        episodes = s.episode_ids or range(len(s.rewards))
+        ratios, rewards = per_episode(ratios, s.rewards, episodes)
+        group = dict(zip(episodes, s.group_ids))  # an episode's segments share its group
+        clusters = [group[e] for e in dict.fromkeys(episodes)] if s.group_ids else None
+        est = ope(ratios, rewards, clip=self.cfg.ope_clip, alpha=self.cfg.success_alpha, normalize=self.cfg.ope_normalize,
+                  clusters=clusters)
         self.report.ope = est.to_dict() | {"source": s.source}
         passed = round(est.lower, 12) > self.cfg.min_success_delta
         if self.decides_by_ope:

@@ -144,6 +144,7 @@ def test_off_policy_evaluation_on_the_logged_heldout_episodes(gate_setup, gate_d
     assert report.passed and o["n"] == len(logged.ids) and 0 < o["ess"] <= o["n"]
     assert o["lower"] <= o["delta"] <= o["upper"] and o["logged"] == pytest.approx(sum(logged.rewards) / o["n"])
     assert "OPE on" in report.summary_line()
+    assert logged.group_ids and o["clusters"] == len(set(logged.group_ids))  # the interval resamples the groups
     # the serving version weighed against its own logged behaviour: weights near 1
     own = KLGate(s["serving"], None, s["serving"], s["seqs"], GateConfig(), ope_seqs=logged).measure().ope
     assert own["ess"] > 0.8 * own["n"] and abs(own["delta"]) < 0.05, own

@@ -97,3 +97,26 @@ def test_segments_of_one_episode_are_weighed_as_the_episode():
     assert torch.allclose(ratios, torch.tensor([-0.2, 0.5, 0.2], dtype=torch.float64)) and rewards == [1.0, 0.0, 1.0]
     whole = ope(torch.tensor([-0.2, 0.5, 0.2]), [1.0, 0.0, 1.0], resamples=200)
     assert ope(ratios, rewards, resamples=200).value == pytest.approx(whole.value)
+
+
+def test_groups_are_resampled_whole():
+    """Eight draws of one prompt move together: resampled as episodes, 50 prompts x 8 look like 400
+    independent ones and the interval is ~sqrt(8) too narrow; resampled by group it is the interval
+    of the 50 prompts. Singleton groups are the episode bootstrap exactly."""
+    behaviour, candidate, p = _world(0)
+    cand, beh, r = _logged(behaviour, candidate, p, 50, torch.Generator().manual_seed(3))
+    ratios = episode_log_ratios(cand, beh, [2] * len(r))
+    width = lambda e: e.upper - e.lower  # noqa: E731
+    prompts = ope(ratios, r, clip=50.0, resamples=4000)
+    copies = ratios.repeat_interleave(8), r.repeat_interleave(8)
+    groups = [f"g{i // 8}" for i in range(400)]
+    naive = ope(*copies, clip=50.0, resamples=4000)
+    grouped = ope(*copies, clip=50.0, resamples=4000, clusters=groups)
+    assert grouped.delta == pytest.approx(naive.delta) == pytest.approx(prompts.delta)
+    assert width(grouped) > 2.3 * width(naive) and grouped.clusters == 50 and naive.clusters == 0
+    assert width(grouped) == pytest.approx(width(prompts), rel=0.15)
+    alone = ope(ratios, r, clip=50.0, resamples=500, clusters=[f"e{i}" for i in range(50)], normalize=True)
+    assert (alone.lower, alone.upper) == pytest.approx((ope(ratios, r, clip=50.0, resamples=500, normalize=True).lower,
+                                                        ope(ratios, r, clip=50.0, resamples=500, normalize=True).upper))
+    with pytest.raises(ValueError, match="one cluster per episode"):
+        ope(ratios, r, clusters=["a"])
