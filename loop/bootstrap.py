@@ -100,7 +100,7 @@ def cache_key(cfg: BootstrapConfig, task: TaskConfig) -> str:
     if model["family"] == "qwen2":  # the bases built before families existed keep their keys
         del model["family"]
     key = {"model": model, "sft": asdict(cfg.sft), "task_seed": task.seed,
-           "corpus": cfg.tokenizer_corpus_problems, "format": 1}
+           "corpus": cfg.tokenizer_corpus_problems, "format": 2}  # 2: templates render a tool's signature only
     if task.name != "calculator":  # and those built before tasks had names
         key["task"] = task.name
         if getattr(task.load(), "version", None):  # a task whose problems or demonstrations changed

@@ -26,6 +26,19 @@ def family(request, tmp_path_factory):
     return fam, save_hf_tokenizer(train_tokenizer(texts, 512, fam), out, 512, fam)
 
 
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_a_tool_renders_as_its_signature_whatever_flags_the_client_sends(fam):
+    """The Agents SDK sends every function with `"strict": false` (an API flag, not part of the
+    signature): the model reads the very prompt it was trained on; a tool without a description
+    renders without one."""
+    problem = make_problems("eval", 1, 0)[0].messages()
+    sdk = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": False}}]
+    assert render_texts([problem], sdk, fam) == render_texts([problem], TOOLS, fam)
+    assert "strict" not in render_texts([problem], sdk, fam)[0]
+    bare = render_texts([problem], [{"type": "function", "function": {"name": "ping", "parameters": {}}}], fam)[0]
+    assert '{"name": "ping", "parameters": {}}' in bare
+
+
 def test_each_family_plays_episodes_token_in_token_out(family):
     fam, tok = family
     chat = ChatFormat.of(tok, TASK.tools)
