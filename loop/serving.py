@@ -85,7 +85,8 @@ def quantized_for_serving(model: str, fmt: str, group_size: int, dtype: str, cac
     dst = Path(cache_dir) / f"served-{tag}-{folder_sha256(model)[:16]}"  # tokenizer files count too
     if not (dst / MANIFEST_NAME).is_file():
         log.info("quantizing %s as %s for serving -> %s", model, fmt, dst)
-        quantize_checkpoint(model, dst, spec, parent=str(model), overwrite=dst.exists())
+        # the parent by its absolute path: a loop started elsewhere (another cwd) trains from it
+        quantize_checkpoint(model, dst, spec, parent=str(Path(model).resolve()), overwrite=dst.exists())
     return str(dst)
 
 

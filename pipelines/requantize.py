@@ -327,6 +327,6 @@ def requantize(src: str | Path, dst: str | Path, spec: QuantSpec, seqs: Sequence
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
     plan = search_plan(model, spec, seqs, cfg, serving, selection)
     manifest = quantize_checkpoint(src, dst, spec, full_precision=plan.full_precision,
-                                   parent=parent if parent is not None else str(src), overwrite=overwrite,
+                                   parent=parent if parent is not None else str(Path(src).resolve()), overwrite=overwrite,
                                    extra_files={PLAN_FILE: json.dumps(plan.to_dict(), indent=1) + "\n"})
     return manifest, plan

@@ -41,6 +41,20 @@ def test_auto_quantizes_the_base_in_the_best_format(caps, fmt, tiny_base, tmp_pa
     assert resolve(_cfg(tmp_path, "serve.quant=none"), tiny_base.path, caps).path == tiny_base.path
 
 
+def test_the_served_copy_names_its_parent_by_absolute_path(tiny_base, tmp_path, monkeypatch):
+    """A base given by a relative path (a relative bootstrap.cache_dir) is recorded absolute: a loop
+    started in another folder finds the full-precision weights of what its server serves."""
+    import shutil
+
+    from loop.gate import fp_of
+
+    shutil.copytree(tiny_base.path, tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    served = resolve(_cfg(tmp_path / "cache"), "base", AVX2).path
+    monkeypatch.chdir(tiny_base.path)
+    assert fp_of(served) == str(tmp_path / "base")
+
+
 def test_the_served_copy_follows_the_tokenizer_files_too(tiny_base, tmp_path):
     """A checkpoint whose weights stay but whose tokenizer files change is served from a new copy
     (a trained checkpoint once lacked tokenizer_config.json and its stale copy kept serving)."""
