@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-async def post_ratings(url: str, rows: list[dict]) -> int:
+async def post_ratings(url: str, rows: list[tuple[str, str, bool]]) -> int:
     """`rows`: (trace_id, episode_id, up): one thumbs-up or -down per episode, from its user."""
     import httpx
 

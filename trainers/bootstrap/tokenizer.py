@@ -30,7 +30,7 @@ TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_respons
 
 # A tool as the model reads it: its signature (name, description, parameters), not the API's flags
 # about it: the Agents SDK sends `"strict": false` on every function, which a model trained on the
-# bare signature has never seen (the bootstrap's base answered 1.5% through the SDK agent, 37% bare)
+# bare signature has never seen (the bootstrap's base answered 1.5% through the SDK agent, 35-38% without the flag)
 TOOL_SIGNATURE = """{% set sig = tool.function if tool.function is defined else tool %}\
 {"name": {{ sig.name | tojson }}\
 {%- if sig.description is defined %}, "description": {{ sig.description | tojson }}{% endif %}\

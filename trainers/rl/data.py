@@ -118,7 +118,8 @@ class Episodes:
         of its rows' common prefix (kept one token short of the shortest row, so every row has a
         token of its own), or 0 where that is under `min_prefix` tokens or the stretch is one row.
         Neighbouring stretches with prefix 0 are one run (one batched forward): ungrouped traffic,
-        all singletons, is then one forward per step, not one per row (8x slower, measured)."""
+        all singletons, is then one forward per step, not one per row (bench/train_step.py on a
+        traffic dataset: 4.0 -> 3.0 s a step, a padded forward 2.9 s)."""
         runs, start = [], 0
         for j in range(1, len(rows) + 1):
             if j < len(rows) and self.group_ids[rows[j]] == self.group_ids[rows[start]]:
