@@ -62,6 +62,8 @@ def test_a_front_door_over_replicas_started_elsewhere(tiny_base, tiny_cfg, tmp_p
     from srv_util import perturbed_copy
 
     from rollout.artifacts import checkpoint_sha256
+    from rollout.cpu_placement import WORKER_SPIN_ENV
+    from rollout.server.fleet import core_slices
     from rollout.server.process import ServerProcess, free_port
     from rollout.traces import read_feedback
 
@@ -70,8 +72,14 @@ def test_a_front_door_over_replicas_started_elsewhere(tiny_base, tiny_cfg, tmp_p
     common = ["serve.quant=none", f"bootstrap.cache_dir={tiny_cfg.bootstrap.cache_dir}", "serve.api_key_env=FW_TEST_API_KEY",
               f"serve.weights_roots=[{tmp_path}]", "serve.drain_timeout_s=30"]
 
+    # pods have cores of their own: here each replica gets one of the two, and its worker does not spin
+    # 1 s after each step on it (as `loop serve --replicas` places them; unplaced, a replica's first
+    # step after a restart waited for the other to go idle: 120 s and more, measured on a 2-core Xeon)
+    binds = core_slices(2)
+
     def replica(i: int, port: int | None = None) -> ServerProcess:  # what the StatefulSet's pod runs
-        return ServerProcess(REPO / "conf" / "tiny.yaml", tiny_base.path, data, tmp_path / f"k{i}.log", env=env,
+        pod = {**env, WORKER_SPIN_ENV: "0.001", **({"VLLM_CPU_OMP_THREADS_BIND": binds[i]} if binds[i] else {})}
+        return ServerProcess(REPO / "conf" / "tiny.yaml", tiny_base.path, data, tmp_path / f"k{i}.log", env=pod,
                              overrides=[*common, "serve.start_held=true", f"serve.replica=k{i}"], admin_token=token,
                              port=port)
 
@@ -117,7 +125,14 @@ def test_a_front_door_over_replicas_started_elsewhere(tiny_base, tiny_cfg, tmp_p
             assert complete(f"h{time.time()}").status_code == 200  # r0 serves meanwhile
             time.sleep(0.5)
         assert not st["held"] and st["checkpoint_sha256"] == checkpoint_sha256(new), st
-        done = [complete(f"after-{i}") for i in range(24)]
+        # the router takes k1 back at its next health checks (1 s apart, not at the release): until then r0 serves
+        done, deadline = [], time.time() + 60
+        while time.time() < deadline:
+            done += [complete(f"after-{len(done) + i}") for i in range(8)]
+            assert httpx.post(url + "/admin/flush", headers=admin, timeout=60).status_code == 200
+            if any(t["replica"] == "k1" and (t["episode_id"] or "").startswith("after")
+                   for t in read_traces(data).to_pylist()):
+                break
         assert all(r.status_code == 200 for r in done)
 
         trace = done[0].headers["x-flywheel-trace-id"]
