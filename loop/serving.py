@@ -32,9 +32,9 @@ class Served:
     caps: Capabilities
 
 
-def serving_spec(fmt: str, group_size: int = 32, dtype: str = "bfloat16"):
+def serving_spec(fmt: str, group_size: int | None = 32, dtype: str = "bfloat16"):
     """The QuantSpec that serves as `fmt` (None for "none"); QAT trains with the same one. W4A16
-    scales are stored in the serving dtype: vLLM loads them in it."""
+    scales are stored in the serving dtype: vLLM loads them in it; `group_size` None: per channel."""
     from kernels import QuantSpec
 
     if fmt == "w4a16":
@@ -76,12 +76,12 @@ def resolve(cfg, model: str, caps: Capabilities | None = None) -> Served:
     return Served(str(model), fmt, dtype, caps)
 
 
-def quantized_for_serving(model: str, fmt: str, group_size: int, dtype: str, cache_dir: str) -> str:
+def quantized_for_serving(model: str, fmt: str, group_size: int | None, dtype: str, cache_dir: str) -> str:
     from pipelines.quantize import MANIFEST_NAME, quantize_checkpoint
     from rollout.artifacts import folder_sha256
 
     spec = serving_spec(fmt, group_size, "float16" if dtype == "float16" else "bfloat16")
-    tag = f"{fmt}-g{group_size}-{spec.scale_dtype}" if fmt == "w4a16" else fmt
+    tag = f"{fmt}-{'channel' if group_size is None else f'g{group_size}'}-{spec.scale_dtype}" if fmt == "w4a16" else fmt
     dst = Path(cache_dir) / f"served-{tag}-{folder_sha256(model)[:16]}"  # tokenizer files count too
     if not (dst / MANIFEST_NAME).is_file():
         log.info("quantizing %s as %s for serving -> %s", model, fmt, dst)

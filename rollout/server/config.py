@@ -81,7 +81,9 @@ class ServeConfig:
     # CUDA, W8A8 on AVX2 CPUs); a full-precision model is quantized for serving (cached). A format the
     # device cannot serve fails at start, naming this key.
     quant: Literal["auto", "w4a16", "w8a8", "none"] = "auto"
-    w4a16_group_size: int = 32  # columns per int4 scale when this server quantizes (divides 64, 192, 512)
+    # columns per int4 scale when this server quantizes (divides 64, 192, 512); null: one scale per
+    # output channel (the coarsest W4A16 vLLM's CPU kernel serves, and the lossiest)
+    w4a16_group_size: int | None = 32
     # The engine's dtype when serving: "auto" is engine.dtype, except bfloat16 for a quantized format
     # (vLLM's quantized CPU kernels have no float32 path).
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -151,8 +153,9 @@ class ServeConfig:
             raise ValueError(f"canary_tolerance must be > 0 or null, got {self.canary_tolerance}")
         if self.quant not in ("auto", "w4a16", "w8a8", "none"):
             raise ValueError(f"quant must be auto, w4a16, w8a8 or none, got {self.quant!r}")
-        if self.w4a16_group_size <= 0 or self.w4a16_group_size % 2:
-            raise ValueError(f"w4a16_group_size must be a positive even int, got {self.w4a16_group_size}")
+        if self.w4a16_group_size is not None and (self.w4a16_group_size <= 0 or self.w4a16_group_size % 2):
+            raise ValueError(f"w4a16_group_size must be a positive even int or null (per channel), "
+                             f"got {self.w4a16_group_size}")
         if self.swap_mode not in ("drain", "keep"):
             raise ValueError(f"swap_mode must be drain or keep, got {self.swap_mode!r}")
         if self.trace_durability not in ("commit", "interval"):

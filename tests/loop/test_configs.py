@@ -38,6 +38,7 @@ def test_overrides_apply_with_hydra_grammar():
     ("engine.enforce_eager=3", "engine.enforce_eager: expected bool"),
     ("task=3", "task: expected a mapping"),
     ("bootstrap.sft.lr==", "bad override"),
+    ("serve.w4a16_group_size=3", "serve: w4a16_group_size must be a positive even int or null (per channel)"),
 ])
 def test_bad_values_name_the_file_and_key(override, needle):
     with pytest.raises(ConfigError) as e:
@@ -68,3 +69,14 @@ def test_collect_holds_the_collectors_own_config():
     assert (a.group_size, a.temperature, a.base_url) == (3, 0.7, "http://127.0.0.1:1") and a.run_id != b.run_id
     with pytest.raises(ConfigError, match=r"collect.rollout: group_size must be an int >= 1"):
         load_config(CONF / "tiny.yaml", ["collect.rollout.group_size=0"])
+
+
+def test_w4a16_per_channel_is_a_null_group_size():
+    """`serve.w4a16_group_size=null`: W4A16 with one scale per output channel, served and trained
+    (QAT) alike."""
+    from loop.serving import serving_spec
+
+    cfg = load_config(CONF / "agent_rl.yaml", ["serve.w4a16_group_size=null"])
+    assert cfg.serve.w4a16_group_size is None
+    spec = serving_spec("w4a16", cfg.serve.w4a16_group_size)  # what QAT (loop.train.qat_spec) trains through too
+    assert spec.granularity == "channel" and spec.group_size is None

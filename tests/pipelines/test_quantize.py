@@ -235,6 +235,8 @@ CASES = {
     "requantize-W8A8-partial": (_requantize_case, QuantSpec.w8a8(),
                                 ("model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj")),
     "qat-convert-W4A16-g64": (_qat_case, QuantSpec.w4a16(64, scale_dtype="bfloat16"), ()),
+    # serve.w4a16_group_size=null: one scale per output channel (vLLM's group_size -1)
+    "requantize-W4A16-channel": (_requantize_case, QuantSpec.w4a16(None, scale_dtype="bfloat16"), ()),
 }
 
 
