@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 N, L = 3000, 8  # completions per (engine, temperature), tokens compared per completion
 TEMPERATURES = (1.0, 0.7)
 ALPHA = 1e-3  # the probability that any exactness assertion below fails on an exact engine
-TESTS = 5 * len(TEMPERATURES) * L  # 3 fp32 drafts + 1 W8A8 draft (+1 control) x temperatures x positions
+TESTS = 6 * len(TEMPERATURES) * L  # 3 fp32 drafts + W8A8 and W4A16 targets (+1 control) x temperatures x positions
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "A shop has 4 boxes of 6 pens and 3 loose pens. How many pens are there?"
 
@@ -140,15 +140,16 @@ def test_without_the_fix_the_same_test_rejects(plain, prompt, tiny_base, untrain
     assert min(p) < ALPHA / TESTS, p
 
 
-def test_quantized_target_with_its_traffic_draft_samples_exactly(tiny_base, prompt, traffic_draft, tmp_path_factory):
-    """W8A8 served in bfloat16, on the kernel build this process loads: plain vs drafted."""
+@pytest.mark.parametrize("fmt", ["w8a8", "w4a16"])
+def test_quantized_target_with_its_traffic_draft_samples_exactly(fmt, tiny_base, prompt, traffic_draft, tmp_path_factory):
+    """A quantized target served in bfloat16, on the kernel build this process loads: plain vs drafted
+    (W4A16 where this build has its GEMM: what the loop serves on AVX-512 CPUs)."""
     from loop.serving import serving_spec
     from pipelines.quantize import quantize_checkpoint
     from rollout.capabilities import detect
 
-    if not detect().can_serve("w8a8"):
-        pytest.skip(detect().why_not("w8a8"))
-    fmt = "w8a8"
+    if not detect().can_serve(fmt):
+        pytest.skip(detect().why_not(fmt))
     folder = quantize_checkpoint(tiny_base.path, tmp_path_factory.mktemp("spec-q") / fmt,
                                  serving_spec(fmt, 32, "bfloat16")).path
     llm = _engine(folder, "bfloat16")
