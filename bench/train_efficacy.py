@@ -3,8 +3,8 @@
 config on the base model's rollouts, for each format this machine serves (full precision and the
 quantized ones), trained with QAT (through the auto serving format's spec) and without.
 
-    python bench/train_efficacy.py [--dataset DIR] [--config conf/agent_rl.yaml] [--seeds 0 1 2]
-                                   [--formats none w4a16] [key=value ...]
+    python bench/train_efficacy.py [key=value ...] [--dataset DIR] [--config conf/agent_rl.yaml]
+                                   [--seeds 0 1 2] [--formats none w4a16]
 
 The dataset defaults to the newest under the config's run_dir (`loop run` makes one); each
 evaluation runs its own vLLM engine in a child process (loop/evaluate.py), once per sampling seed
@@ -36,8 +36,8 @@ def main() -> None:
     ap.add_argument("--qat", help="a checkpoint already trained with QAT (skips training it)")
     ap.add_argument("--no-qat", help="a checkpoint already trained without QAT")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="engine.seed of each evaluation")
-    ap.add_argument("--formats", nargs="+", help="served formats to evaluate (default: none and every "
-                                                   "quantized format this machine serves)")
+    ap.add_argument("--formats", nargs="+", choices=["none", "w4a16", "w8a8"],
+                    help="served formats to evaluate (default: none and every quantized format this machine serves)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_intermixed_args()
     from loop.bootstrap import bootstrap

