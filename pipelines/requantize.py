@@ -8,7 +8,9 @@ a layer plan chosen by searching whole plans.
 A *unit* is what can stay in full precision on its own: a linear layer, or all shards of a group
 vLLM fuses (q/k/v, gate/up). Quantization errors of different units interact (they can cancel),
 so plans are scored jointly: the search starts from every unit quantized, adds units greedily by
-the KL of the whole plan, then refines by swaps and removals until no move lowers the KL. The
+the KL of the whole plan, then refines by swaps and removals until no move lowers the KL, drawing
+units from the baseline's most sensitive ones (`joint_candidates`: the search's cost then stops
+growing with the model's depth). The
 baseline is the usual one: rank units by their own sensitivity (the KL with only that unit
 quantized) and keep the most sensitive ones in full precision. The search fits its slice's noise
 (the per-token KL is heavy-tailed), so the joint plan and the baseline are then compared on a second,
@@ -48,6 +50,11 @@ class RequantizeConfig:
     selection_sequences: int = 32
     search: str = "joint"  # "joint" | "one_at_a_time" (the baseline, for comparison)
     max_evals: int = 200  # plans scored by the joint search at most (one forward each)
+    # Units the joint search may add or swap in: the most sensitive ones by the baseline's own
+    # measure (plus the baseline's plan); None: every unit. Each greedy step and each round of
+    # swaps scores one plan per candidate, so this keeps the search's cost from growing with the
+    # model's depth: the default model has 16 units (all candidates), a 10-layer one 40.
+    joint_candidates: int | None = 16
     # The plan the server runs now is kept when its KL is within this factor of the chosen plan's:
     # the swap then reloads weights in place instead of warming a second engine (~25 s on these
     # CPUs, bench/gate_path.py). Measured in the default loop: the serving plan's KL was 1.5-2.7x
@@ -66,6 +73,8 @@ class RequantizeConfig:
             raise ValueError(f"selection_sequences must be >= 0, got {self.selection_sequences}")
         if self.search not in ("joint", "one_at_a_time"):
             raise ValueError(f"search must be 'joint' or 'one_at_a_time', got {self.search!r}")
+        if self.joint_candidates is not None and self.joint_candidates < 1:
+            raise ValueError(f"joint_candidates must be >= 1 or null, got {self.joint_candidates!r}")
         if self.keep_serving_plan_within is not None and not self.keep_serving_plan_within >= 1:
             raise ValueError(f"keep_serving_plan_within must be >= 1 or null, got {self.keep_serving_plan_within!r}")
 
@@ -218,16 +227,19 @@ def one_at_a_time(scorer: PlanScorer, cfg: RequantizeConfig) -> dict:
             plan = plan | {i}
             curve.append([len(scorer.layers(plan)), scorer(plan)])
     return {"plan": scorer.layers(plan), "kl": scorer(plan), "curve": curve, "units": sorted(plan),
-            "sensitivity": {"+".join(scorer.units[i].layers): v for i, v in sens.items()}}
+            "sensitivity": {"+".join(scorer.units[i].layers): v for i, v in sens.items()},
+            "ranked": sorted(sens, key=sens.get, reverse=True)}
 
 
-def joint(scorer: PlanScorer, cfg: RequantizeConfig, start: frozenset[int] = frozenset()) -> dict:
+def joint(scorer: PlanScorer, cfg: RequantizeConfig, start: frozenset[int] = frozenset(),
+          candidates: list[int] | None = None) -> dict:
     """Greedy additions by whole-plan KL, then swaps and removals while any lowers it; the best
-    plan seen (which may keep fewer layers than the budget allows) is the answer."""
-    n_units = len(scorer.units)
+    plan seen (which may keep fewer layers than the budget allows) is the answer. Units are drawn
+    from `candidates` (and `start`); None: all."""
+    pool = sorted(set(range(len(scorer.units)) if candidates is None else candidates) | start)
     plan, curve, best = frozenset(), [[0, scorer(frozenset())]], frozenset()
     while len(scorer.scores) < cfg.max_evals:
-        moves = [plan | {u} for u in range(n_units) if u not in plan and _feasible(scorer, plan | {u}, cfg)]
+        moves = [plan | {u} for u in pool if u not in plan and _feasible(scorer, plan | {u}, cfg)]
         if not moves:
             break
         plan = min(moves, key=scorer)
@@ -237,14 +249,15 @@ def joint(scorer: PlanScorer, cfg: RequantizeConfig, start: frozenset[int] = fro
     improved = True
     while improved and len(scorer.scores) < cfg.max_evals:
         improved = False
-        moves = [best - {u} for u in best] + [best - {u} | {v} for u in best for v in range(n_units) if v not in best]
-        moves += [best | {v} for v in range(n_units) if v not in best]
+        moves = [best - {u} for u in best] + [best - {u} | {v} for u in best for v in pool if v not in best]
+        moves += [best | {v} for v in pool if v not in best]
         for cand in (m for m in moves if _feasible(scorer, m, cfg)):
             if len(scorer.scores) >= cfg.max_evals:
                 break
             if scorer(cand) < scorer(best):
                 best, improved = cand, True
-    return {"plan": scorer.layers(best), "kl": scorer(best), "curve": curve, "units": sorted(best)}
+    return {"plan": scorer.layers(best), "kl": scorer(best), "curve": curve, "units": sorted(best),
+            "candidates": len(pool)}
 
 
 def _cancellations(scorer: PlanScorer) -> list[dict]:
@@ -292,7 +305,8 @@ def search_plan(model: nn.Module, spec: QuantSpec, seqs: Sequences, cfg: Requant
         base, joint_ = {**only, "sensitivity": {}}, only
     else:
         base = one_at_a_time(scorer, cfg)
-        joint_ = joint(scorer, cfg, start=frozenset(base["units"]))
+        top = base["ranked"][:cfg.joint_candidates] if cfg.joint_candidates is not None else None
+        joint_ = joint(scorer, cfg, start=frozenset(base["units"]), candidates=top)
     chosen, picked = (joint_ if cfg.search == "joint" else base), {}
     if spare is not None and joint_["units"] != base["units"]:
         picked = select(PlanScorer(spare, spec, selection), joint_, base)

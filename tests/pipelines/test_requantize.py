@@ -112,6 +112,7 @@ def test_the_serving_plan_is_kept_only_within_its_factor(planned, tiny_base, cal
                                       ({"search": "random"}, "search"),
                                       ({"calibration_sequences": 0}, "calibration_sequences"),
                                       ({"selection_sequences": -1}, "selection_sequences"),
+                                      ({"joint_candidates": 0}, "joint_candidates"),
                                       ({"keep_serving_plan_within": 0.5}, "keep_serving_plan_within")])
 def test_config_errors_name_the_key(kw, key):
     with pytest.raises(ValueError, match=key):
@@ -170,3 +171,21 @@ def test_a_second_slice_chooses_between_the_joint_plan_and_the_baseline(tiny_bas
     assert worse != units["joint"] and picked["chosen"] == "joint"
     assert select(judge, {"units": sorted(worse)}, best)["chosen"] == "one_at_a_time"
     assert picked["sequences"] == len(other.ids) and picked["scored_tokens"] == other.num_scored
+
+
+def test_the_joint_search_draws_from_the_most_sensitive_units(planned, tiny_base, calibration):
+    """`joint_candidates` bounds the units the joint search adds or swaps in to the baseline's most
+    sensitive ones (and its plan): fewer plans scored, never worse than the baseline, and every
+    unit of its plan among them. The default takes every unit of the tiny model."""
+    from transformers import AutoModelForCausalLM
+
+    from pipelines.requantize import search_plan
+
+    _, _, full = planned
+    assert full.joint["candidates"] == full.budget["units"] <= RequantizeConfig().joint_candidates
+    model = AutoModelForCausalLM.from_pretrained(tiny_base.path, dtype=torch.float32)
+    narrow = search_plan(model, SPEC, calibration, RequantizeConfig(max_full_precision_layers=3, joint_candidates=2))
+    allowed = set(narrow.one_at_a_time["ranked"][:2]) | set(narrow.one_at_a_time["units"])
+    assert narrow.joint["candidates"] == len(allowed) < full.budget["units"]
+    assert set(narrow.joint["units"]) <= allowed and narrow.joint["kl"] <= narrow.one_at_a_time["kl"]
+    assert len(narrow.evaluated) < len(full.evaluated)
