@@ -128,7 +128,7 @@ def test_kl_is_taken_at_the_temperature_the_tokens_were_sampled_at():
     assert scored_temperatures(seqs).tolist() == pytest.approx([0.7, 0.5])
 
 
-def test_off_policy_evaluation_on_the_logged_heldout_episodes(gate_setup, gate_dataset):
+def test_off_policy_evaluation_on_the_logged_heldout_episodes(gate_setup, gate_dataset, tiny_base):
     """The gate weighs the held-out logged episodes by candidate / behaviour (the logged processed
     logprobs): the estimate, its interval and ESS are in the report; with success_source "ope" the
     interval decides, and a rule it cannot clear fails naming the key."""
@@ -145,9 +145,11 @@ def test_off_policy_evaluation_on_the_logged_heldout_episodes(gate_setup, gate_d
     assert o["lower"] <= o["delta"] <= o["upper"] and o["logged"] == pytest.approx(sum(logged.rewards) / o["n"])
     assert "OPE on" in report.summary_line()
     assert logged.group_ids and o["clusters"] == len(set(logged.group_ids))  # the interval resamples the groups
-    # the serving version weighed against its own logged behaviour: weights near 1
-    own = KLGate(s["serving"], None, s["serving"], s["seqs"], GateConfig(), ope_seqs=logged).measure().ope
-    assert own["ess"] > 0.8 * own["n"] and abs(own["delta"]) < 0.05, own
+    # the model that sampled the logged episodes (the float32 base on vLLM), weighed against its own
+    # behaviour: every weight 1 up to float error. (The quantized serving folder is not that model:
+    # on 3 held-out episodes its weights moved the estimate by +0.44 in one fixture build.)
+    own = KLGate(tiny_base.path, None, tiny_base.path, s["seqs"], GateConfig(), ope_seqs=logged).measure().ope
+    assert own["ess"] > 0.999 * own["n"] and abs(own["delta"]) < 1e-3, own
     strict = run(success_source="ope", min_success_delta=0.5)
     assert not strict.passed and strict.reasons[0].startswith("OPE reward delta") and "validate.min_success_delta +0.5" \
         in strict.reasons[0]
