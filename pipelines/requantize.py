@@ -9,9 +9,8 @@ A *unit* is what can stay in full precision on its own: a linear layer, or all s
 vLLM fuses (q/k/v, gate/up). Quantization errors of different units interact (they can cancel),
 so plans are scored jointly: the search starts from every unit quantized, adds units greedily by
 the KL of the whole plan, then refines by swaps and removals until no move lowers the KL, drawing
-units from the baseline's most sensitive ones (`joint_candidates`: the search's cost then stops
-growing with the model's depth). The
-baseline is the usual one: rank units by their own sensitivity (the KL with only that unit
+units from the baseline's most sensitive ones (`joint_candidates`: the plans it scores then stop
+growing with the model's depth; the baseline still scores each unit once). The baseline is the usual one: rank units by their own sensitivity (the KL with only that unit
 quantized) and keep the most sensitive ones in full precision. The search fits its slice's noise
 (the per-token KL is heavy-tailed), so the joint plan and the baseline are then compared on a second,
 disjoint slice, and the lower one is chosen. Both searches' curves, every plan they scored and that
@@ -52,8 +51,8 @@ class RequantizeConfig:
     max_evals: int = 200  # plans scored by the joint search at most (one forward each)
     # Units the joint search may add or swap in: the most sensitive ones by the baseline's own
     # measure (plus the baseline's plan); None: every unit. Each greedy step and each round of
-    # swaps scores one plan per candidate, so this keeps the search's cost from growing with the
-    # model's depth: the default model has 16 units (all candidates), a 10-layer one 40.
+    # swaps scores one plan per candidate, so this keeps the joint search's plans from growing with
+    # the model's depth: the default model has 16 units (all candidates), a 10-layer one 40.
     joint_candidates: int | None = 16
     # The plan the server runs now is kept when its KL is within this factor of the chosen plan's:
     # the swap then reloads weights in place instead of warming a second engine (~25 s on these
