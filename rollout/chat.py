@@ -17,7 +17,10 @@ template where the markup says which; anything else is the config's to name.
 
 `messages(text)` inverts the template without knowing it: rendering one message of each role
 around a sentinel gives that role's framing (what precedes and follows the content), and a rendered
-conversation is split on those framings.
+conversation is split on those framings. Where every message ends in the end-of-turn token (ChatML,
+Llama 3) a framing runs from one to the next; where only assistant turns do (Mistral), it is what
+rendering the message adds to the conversation before it, and a call id the template renders
+matches any id.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 SENTINEL = "QQSENTINELQQ"
+CALL_ID = "QQCALLIDQ"  # nine characters: Mistral renders the last nine of an id
 _CACHE: dict[tuple, tuple[object, "ChatFormat"]] = {}
 
 
@@ -166,52 +170,108 @@ class ChatFormat:
         return {"role": "assistant", "content": content, "tool_calls": calls or None}
 
     def framing(self) -> dict[str, list[tuple[str, str]]]:
-        """role -> [(what the template puts before a message's content, what after it through the
-        end-of-turn token)], learned by rendering sentinel messages. The assistant's has the
-        generation prompt's too: a sampled turn follows that one."""
+        """role -> [(what the template puts before a message's content, what after it)], learned by
+        rendering sentinel messages. The assistant's has the generation prompt's too: a sampled turn
+        follows that one. A call id the template renders reads as `CALL_ID` (any id matches it)."""
         if self._framing is None:
-            s, eot = SENTINEL, self.eot
-            call = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-            convo = [{"role": "system", "content": s + "S"}, {"role": "user", "content": s + "U"},
-                     {"role": "assistant", "content": s + "A"}, {"role": "user", "content": s + "V"},
-                     {"role": "assistant", "content": "", "tool_calls": [call]},
-                     {"role": "tool", "tool_call_id": "call_0", "content": s + "T"}]
-            text = self.render(convo, False)
-            out: dict[str, list[tuple[str, str]]] = {}
-            for role, tag in (("system", "S"), ("user", "V"), ("assistant", "A"), ("tool", "T")):
-                at = text.find(s + tag)
-                start = text.rfind(eot, 0, at)
-                start = 0 if start < 0 else start + len(eot)
-                out[role] = [(text[start:at], text[at + len(s) + 1:text.find(eot, at) + len(eot)])]
-            head = self.render(convo[:4], False)
-            gen = self.render(convo[:4], True)[len(head):]
-            out["assistant"].append((head[head.rfind(eot) + len(eot):] + gen, eot))
-            self._framing = out
+            self._framing = self._framing_by_eot() or self._framing_by_renders()
         return self._framing
+
+    def _framing_by_eot(self) -> dict | None:
+        """Where every message ends in the end-of-turn token (ChatML, Llama 3): a message's framing
+        runs from the end-of-turn token before it through the one after it. None where one does not."""
+        s, eot = SENTINEL, self.eot
+        call = {"id": CALL_ID, "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        convo = [{"role": "system", "content": s + "S"}, {"role": "user", "content": s + "U"},
+                 {"role": "assistant", "content": s + "A"}, {"role": "user", "content": s + "V"},
+                 {"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": CALL_ID, "content": s + "T"}]
+        text = self.render(convo, False)
+        out: dict[str, list[tuple[str, str]]] = {}
+        for role, tag in (("system", "S"), ("user", "V"), ("assistant", "A"), ("tool", "T")):
+            at = text.find(s + tag)
+            start = text.rfind(eot, 0, at)
+            start = 0 if start < 0 else start + len(eot)
+            close = text.find(eot, at)
+            if close < 0 or s in text[at + len(s):close]:
+                return None  # this message runs into the next one without an end-of-turn token
+            out[role] = [(text[start:at], text[at + len(s) + 1:close + len(eot)])]
+        head = self.render(convo[:4], False)
+        gen = self.render(convo[:4], True)[len(head):]
+        out["assistant"].append((head[head.rfind(eot) + len(eot):] + gen, eot))
+        return out
+
+    def _framing_by_renders(self) -> dict[str, list[tuple[str, str]]]:
+        """Where only the assistant's turns end in the end-of-turn token (Mistral: [INST]...[/INST],
+        [TOOL_RESULTS]...[/TOOL_RESULTS]): each message of an episode-shaped conversation is what
+        rendering it adds to the conversation before it, with and without tools (a template may
+        put them before the last user message only). An assistant turn that the template gives no
+        opening (no generation prompt) has the empty one: it starts where the message before ended."""
+        s = SENTINEL
+        call = {"id": CALL_ID, "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        convo = [{"role": "system", "content": s + "S"}, {"role": "user", "content": s + "U"},
+                 {"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": CALL_ID, "content": s + "T"},
+                 {"role": "assistant", "content": s + "A"}]
+        out: dict[str, list[tuple[str, str]]] = {}
+        for tools in (self.tools, None):
+            def render(msgs, gen):
+                return self.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=gen,
+                                                          tokenize=False) if msgs else ""
+            for k, m in enumerate(convo):
+                if s not in m["content"]:
+                    continue
+                before = render(convo[:k], m["role"] == "assistant")
+                upto = render(convo[:k + 1], False)
+                if not upto.startswith(before):
+                    raise TemplateError(f"the template renders the conversation before a {m['role']} message "
+                                        "differently once that message follows")
+                piece = upto[len(before):]
+                at = piece.find(s)
+                gen = render(convo[:k], True)[len(render(convo[:k], False)):] if m["role"] == "assistant" else ""
+                pair = (gen + piece[:at], piece[at + len(s) + 1:])
+                if pair not in out.setdefault(m["role"], []):
+                    out[m["role"]].append(pair)
+        return out
 
     def messages(self, text: str) -> list[dict]:
         """A rendered conversation (as the model saw it) as OpenAI messages: the next message is
-        the framing that starts first (the longest there); text before it that no framing reads
-        is skipped. An assistant turn cut off before its end-of-turn token runs to the end."""
+        the framing that starts first (the longest there), or, right after a message that is not
+        an assistant's, an assistant turn the template opens with nothing; text before it that no
+        framing reads is skipped. An assistant turn cut off before its end-of-turn token runs to the end."""
         candidates = sorted(((pre, post, role) for role, fs in self.framing().items() for pre, post in fs),
                             key=lambda c: -len(c[0]))
+        bare = next((c for c in candidates if not c[0]), None)  # a role the template opens with nothing
         out, pos = [], 0
         while pos < len(text):
-            found = [(text.find(pre, pos), i) for i, (pre, _, _) in enumerate(candidates) if pre]
-            found = [(at, i) for at, i in found if at >= 0]
-            if not found:
+            found = [(*_find(text, pre, pos), i) for i, (pre, _, _) in enumerate(candidates) if pre]
+            found = sorted((at, i, start) for at, start, i in found if at >= 0)
+            if bare and out and out[-1]["role"] != bare[2] and (not found or found[0][0] > pos):
+                (pre, post, role), start = bare, pos
+            elif found:
+                _, i, start = found[0]  # earliest; among equal starts the longest framing (sorted first)
+                pre, post, role = candidates[i]
+            else:
                 break
-            at, i = min(found)  # earliest; among equal starts the longest framing (sorted first)
-            pre, post, role = candidates[i]
-            start = at + len(pre)
-            end = text.find(post, start)
+            end, after = _find(text, post, start)
             body = text[start:end if end >= 0 else len(text)]
-            pos = end + len(post) if end >= 0 else len(text)
+            pos = after if end >= 0 else len(text)
             if role == "assistant":
                 out.append(self.parse(body))
             else:
                 out.append({"role": role, "content": body.strip() if role == "system" else body})
         return out
+
+
+def _find(text: str, pattern: str, start: int) -> tuple[int, int]:
+    """(where `pattern` starts in `text` at or after `start`, where it ends), `CALL_ID` in it matching
+    any call id; (-1, -1) if it is not there."""
+    head, sep, tail = pattern.partition(CALL_ID)
+    at = text.find(head, start)
+    if at < 0 or not sep:
+        return at, (at + len(head) if at >= 0 else -1)
+    end = text.find(tail, at + len(head))
+    return (at, end + len(tail)) if end >= 0 else (-1, -1)
 
 
 def encode_demo(tokenizer, messages: list[dict], tools: list[dict]) -> tuple[list[int], list[int]]:

@@ -1,5 +1,6 @@
 """Model families other than the default Qwen2: each with its own chat format (Qwen3's think
-blocks, Llama 3.1's headers and JSON tool calls), played token-in/token-out by `rollout.chat`,
+blocks, Llama 3.1's headers and JSON tool calls, Mistral's [INST] blocks, [TOOL_CALLS] and
+[TOOL_RESULTS] with call ids), played token-in/token-out by `rollout.chat`,
 its tool calls read by vLLM's parser for it, and `base.model` checked at config load."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from rollout.tasks.calculator import TASK, TOOLS, calculator, demonstration, mak
 from trainers.bootstrap.model import FAMILIES, ModelConfig, build_model
 from trainers.bootstrap.tokenizer import render_texts, save_hf_tokenizer, train_tokenizer
 
-PARSERS = {"qwen2": "hermes", "qwen3": "hermes", "llama": "llama3_json"}
+PARSERS = {"qwen2": "hermes", "qwen3": "hermes", "llama": "llama3_json", "mistral": "mistral"}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -71,6 +72,22 @@ def test_each_family_plays_episodes_token_in_token_out(family):
         assert tok.decode(ids, skip_special_tokens=False) == whole
 
 
+def test_a_conversation_with_the_clients_call_ids_reads_back(family):
+    """An agent on the endpoint sends back the call ids vLLM's parser gave it (Mistral: 9 random
+    characters, of which the template renders the last 9): any id reads back as the same messages."""
+    fam, tok = family
+    chat = ChatFormat.of(tok, TASK.tools)
+    p = make_problems("eval", 1, seed=5)[0]
+    demo = demonstration(p)
+    for cid in ("call_0", "Ab3dE6gH9", "chatcmpl-tool-8d2f41c0aa"):
+        convo = [*demo[:2], {**demo[2], "tool_calls": [{**demo[2]["tool_calls"][0], "id": cid}]},
+                 {**demo[3], "tool_call_id": cid}, demo[4]]
+        back = chat.messages(tok.apply_chat_template(convo, tools=TOOLS, tokenize=False))
+        assert [m["role"] for m in back] == ["system", "user", "assistant", "tool", "assistant"], (cid, back)
+        assert back[3]["content"] == demo[3]["content"] and back[4]["content"] == f"Answer: {p.answer}"
+        assert json.loads(back[2]["tool_calls"][0]["function"]["arguments"]) == {"expression": p.expression}
+
+
 def test_each_family_builds_an_architecture_vllm_serves(family, tmp_path):
     from rollout.engine import check_servable
 
@@ -79,9 +96,10 @@ def test_each_family_builds_an_architecture_vllm_serves(family, tmp_path):
                       intermediate_size=128)
     model = build_model(cfg, tok)
     model.save_pretrained(tmp_path)
-    arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[fam]
+    arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
+            "mistral": "MistralForCausalLM"}[fam]
     assert check_servable(str(tmp_path)) == arch
-    assert model.config.tie_word_embeddings == (fam != "llama")  # Llama: a separate lm_head, as the 8B has
+    assert model.config.tie_word_embeddings == (fam in ("qwen2", "qwen3"))  # a separate lm_head, as the 7B/8B have
     with pytest.raises(ValueError, match="family must be one of"):
         ModelConfig(family="gpt2")
 

@@ -1,5 +1,6 @@
 """The base model's shape: a small decoder of a family transformers and vLLM both load natively
-(Qwen2, the default; Qwen3, with its q/k norms; Llama, with untied embeddings as the 8B has)."""
+(Qwen2, the default; Qwen3, with its q/k norms; Llama and Mistral, with untied embeddings as their
+7B/8B have; Mistral without a sliding window, as since v0.2)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 
 # vLLM's CPU attention backend supports these head sizes only.
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-FAMILIES = ("qwen2", "qwen3", "llama")
+FAMILIES = ("qwen2", "qwen3", "llama", "mistral")
 
 
 @dataclass
@@ -15,7 +16,7 @@ class ModelConfig:
     """Shape of the self-built base model (ignored when `path` points at an existing HF folder)."""
 
     path: str | None = None  # an existing Hugging Face folder to use instead of bootstrapping
-    family: str = "qwen2"  # qwen2 | qwen3 | llama: the architecture and its chat format (tokenizer.FORMATS)
+    family: str = "qwen2"  # qwen2 | qwen3 | llama | mistral: the architecture and its chat format (tokenizer.FORMATS)
     vocab_size: int = 1024
     hidden_size: int = 192
     num_layers: int = 4
@@ -47,7 +48,8 @@ class ModelConfig:
 
 def build_model(cfg: ModelConfig, tokenizer, seed: int = 0):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     torch.manual_seed(seed)
     shape = dict(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
@@ -59,6 +61,9 @@ def build_model(cfg: ModelConfig, tokenizer, seed: int = 0):
         model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True))
     elif cfg.family == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=cfg.head_dim, tie_word_embeddings=True))
+    elif cfg.family == "mistral":
+        model = MistralForCausalLM(MistralConfig(**shape, head_dim=cfg.head_dim, sliding_window=None,
+                                                 tie_word_embeddings=False))
     else:
         model = LlamaForCausalLM(LlamaConfig(**shape, head_dim=cfg.head_dim, tie_word_embeddings=False))
     model.generation_config.eos_token_id = tokenizer.eos_token_id

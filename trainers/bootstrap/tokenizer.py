@@ -3,7 +3,8 @@
 `qwen2` (the default): ChatML with Hermes tool-call markup, below. `qwen3`: ChatML, Qwen3's tools
 block and its think blocks (an empty one opens each generated turn, and past turns drop theirs).
 `llama`: Llama 3.1's headers, `<|eot_id|>`, JSON tool calls (`{"name", "parameters"}`, vLLM's
-`llama3_json` parser) and `ipython` tool results. The templates are written here, in each
+`llama3_json` parser) and `ipython` tool results. `mistral`: [INST] blocks, [AVAILABLE_TOOLS] and [TOOL_CALLS] JSON (vLLM's
+`mistral` parser), [TOOL_RESULTS]; only an assistant turn ends in </s>. The templates are written here, in each
 family's format (no hub to fetch them from); `FORMATS` holds them with their special tokens.
 
 Invariants the rest of Flywheel relies on (qwen2's names; each family has its own):
@@ -144,6 +145,33 @@ value}. Do not use variables.
 
 {% endif %}"""
 
+# Mistral's format (the Hugging Face template of Mistral Small 3.1, tools the v3 way): a system
+# prompt in [SYSTEM_PROMPT], the tools as JSON in [AVAILABLE_TOOLS] before the last user message,
+# [INST]...[/INST] around a user message, no generation prompt, calls as a JSON array after
+# [TOOL_CALLS] (read by vLLM's `mistral` parser; the tokenizer has no [ARGS], so its pre-v11 JSON
+# form), each with the last 9 characters of its id, results in [TOOL_RESULTS] with their call's id.
+# Only an assistant turn ends in </s>: the other messages end in their closing tag.
+MISTRAL_TEMPLATE = """\
+{{- bos_token }}\
+{%- if messages[0].role == 'system' %}{% set system = messages[0].content %}{% set rest = messages[1:] %}\
+{%- else %}{% set system = '' %}{% set rest = messages %}{% endif %}\
+{%- if system %}[SYSTEM_PROMPT]{{ system }}[/SYSTEM_PROMPT]{% endif %}\
+{%- set ns = namespace(last_user=-1) %}{% for m in rest %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}\
+{%- for m in rest %}\
+{%- if m.role == 'user' %}\
+{%- if tools and loop.index0 == ns.last_user %}[AVAILABLE_TOOLS] [\
+{%- for tool in tools %}{"type": "function", "function": """ + TOOL_SIGNATURE + """}{% if not loop.last %}, {% endif %}{% endfor %}\
+][/AVAILABLE_TOOLS]{% endif %}[INST]{{ m.content }}[/INST]\
+{%- elif m.role == 'assistant' and m.tool_calls %}[TOOL_CALLS] [\
+{%- for tc in m.tool_calls %}{% set f = tc.function if tc.function is defined else tc %}\
+{"name": {{ f.name | tojson }}, "arguments": {{ f.arguments if f.arguments is string else (f.arguments | tojson) }}, \
+"id": {{ ((tc.id or '') | string)[-9:] | tojson }}}{% if not loop.last %}, {% endif %}{% endfor %}]</s>\
+{%- elif m.role == 'assistant' %}{{ m.content }}</s>\
+{%- elif m.role == 'tool' %}[TOOL_RESULTS] {"content": {{ m.content }}, \
+"call_id": {{ ((m.tool_call_id or '') | string)[-9:] | tojson }}}[/TOOL_RESULTS]\
+{%- endif %}\
+{%- endfor %}"""
+
 
 @dataclass(frozen=True)
 class ChatFormatSpec:
@@ -163,6 +191,10 @@ FORMATS = {
     "llama": ChatFormatSpec(LLAMA_TEMPLATE, ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                                              "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"), (),
                             "<|eot_id|>", "<|end_of_text|>", "<|begin_of_text|>"),
+    "mistral": ChatFormatSpec(MISTRAL_TEMPLATE, ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]",
+                                                 "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                                                 "[/TOOL_RESULTS]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"), (),
+                              "</s>", "<unk>", "<s>"),
 }
 
 
