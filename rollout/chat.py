@@ -31,6 +31,7 @@ from functools import cached_property
 
 SENTINEL = "QQSENTINELQQ"
 CALL_ID = "QQCALLIDQ"  # nine characters: Mistral renders the last nine of an id
+_CALL = {"id": CALL_ID, "type": "function", "function": {"name": "f", "arguments": "{}"}}  # framings' sentinel call
 _CACHE: dict[tuple, tuple[object, "ChatFormat"]] = {}
 
 
@@ -181,10 +182,9 @@ class ChatFormat:
         """Where every message ends in the end-of-turn token (ChatML, Llama 3): a message's framing
         runs from the end-of-turn token before it through the one after it. None where one does not."""
         s, eot = SENTINEL, self.eot
-        call = {"id": CALL_ID, "type": "function", "function": {"name": "f", "arguments": "{}"}}
         convo = [{"role": "system", "content": s + "S"}, {"role": "user", "content": s + "U"},
                  {"role": "assistant", "content": s + "A"}, {"role": "user", "content": s + "V"},
-                 {"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "assistant", "content": "", "tool_calls": [_CALL]},
                  {"role": "tool", "tool_call_id": CALL_ID, "content": s + "T"}]
         text = self.render(convo, False)
         out: dict[str, list[tuple[str, str]]] = {}
@@ -208,27 +208,26 @@ class ChatFormat:
         put them before the last user message only). An assistant turn that the template gives no
         opening (no generation prompt) has the empty one: it starts where the message before ended."""
         s = SENTINEL
-        call = {"id": CALL_ID, "type": "function", "function": {"name": "f", "arguments": "{}"}}
         convo = [{"role": "system", "content": s + "S"}, {"role": "user", "content": s + "U"},
-                 {"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "assistant", "content": "", "tool_calls": [_CALL]},
                  {"role": "tool", "tool_call_id": CALL_ID, "content": s + "T"},
                  {"role": "assistant", "content": s + "A"}]
         out: dict[str, list[tuple[str, str]]] = {}
+        def render(msgs, gen, tools):
+            return self.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=gen,
+                                                      tokenize=False) if msgs else ""
         for tools in (self.tools, None):
-            def render(msgs, gen):
-                return self.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=gen,
-                                                          tokenize=False) if msgs else ""
             for k, m in enumerate(convo):
                 if s not in m["content"]:
                     continue
-                before = render(convo[:k], m["role"] == "assistant")
-                upto = render(convo[:k + 1], False)
+                before = render(convo[:k], m["role"] == "assistant", tools)
+                upto = render(convo[:k + 1], False, tools)
                 if not upto.startswith(before):
                     raise TemplateError(f"the template renders the conversation before a {m['role']} message "
                                         "differently once that message follows")
                 piece = upto[len(before):]
                 at = piece.find(s)
-                gen = render(convo[:k], True)[len(render(convo[:k], False)):] if m["role"] == "assistant" else ""
+                gen = before[len(render(convo[:k], False, tools)):] if m["role"] == "assistant" else ""
                 pair = (gen + piece[:at], piece[at + len(s) + 1:])
                 if pair not in out.setdefault(m["role"], []):
                     out[m["role"]].append(pair)
