@@ -49,6 +49,11 @@ class CollectConfig:
     max_episodes: int | None = None  # the window ends after the first this many (None: all that came)
     max_wait_s: float = 600.0
     poll_s: float = 5.0
+    # episodes served by up to this many weight versions before the serving one count too (0: only
+    # the serving one's). Production traffic keeps coming while a cycle trains: with 1, what the
+    # previous version served meanwhile is trained on, importance-corrected against the behaviour
+    # logprobs it was sampled with (trainer.rollout_is), instead of waiting for fresh traffic.
+    max_staleness: int = 0
 
     def __post_init__(self):
         if self.source not in ("collector", "traffic"):
@@ -57,6 +62,8 @@ class CollectConfig:
             raise ValueError(f"min_episodes must be an int >= 2, got {self.min_episodes!r}")
         if self.max_episodes is not None and self.max_episodes < self.min_episodes:
             raise ValueError(f"max_episodes must be >= min_episodes or null, got {self.max_episodes}")
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be an int >= 0, got {self.max_staleness!r}")
         if not (self.max_wait_s >= 0 and self.poll_s > 0):
             raise ValueError(f"max_wait_s must be >= 0 and poll_s > 0, got {self.max_wait_s}, {self.poll_s}")
         if self.endpoint is not None and not str(self.endpoint).startswith(("http://", "https://")):
@@ -226,18 +233,21 @@ class NoTraffic(RuntimeError):
 
 
 def traffic_phase(cfg, ep: Endpoint, tokenizer: str, weight_version: int, since: str | None) -> CollectManifest:
-    """Wait for `collect.min_episodes` episodes served by `weight_version` since `since` (the last
-    window's end; None: all its traffic) with a reward or a rating; the window is theirs."""
+    """Wait for `collect.min_episodes` episodes served by `weight_version` (or up to
+    `collect.max_staleness` versions before it) since `since` (the last window's end; None: all its
+    traffic) with a reward or a rating; the window is theirs."""
     import time
 
     from pipelines.traces_to_dataset import rewarded_episodes
 
     c, t0 = cfg.collect, time.monotonic()
+    versions = tuple(range(max(0, weight_version - c.max_staleness), weight_version + 1))
+    served_by = f"weight version{'s' if len(versions) > 1 else ''} {_span(versions)}"
     while True:
         _flush(ep.url, ep.admin_token)
         until = datetime.now(timezone.utc).isoformat()
         window = cfg.dataset.dataset(Path(cfg.serve.trace_root), Path("."), tokenizer, cfg.serve.logprobs_mode,
-                                     cfg.task.name, weight_versions=(weight_version,), since=since, until=until)
+                                     cfg.task.name, weight_versions=versions, since=since, until=until)
         found = rewarded_episodes(window)
         waited = time.monotonic() - t0
         if len(found) >= c.min_episodes:
@@ -246,17 +256,20 @@ def traffic_phase(cfg, ep: Endpoint, tokenizer: str, weight_version: int, since:
                 found = found[:c.max_episodes]
             break
         if waited >= c.max_wait_s:
-            raise NoTraffic(f"{len(found)} of collect.min_episodes {c.min_episodes} episodes served by weight version "
-                            f"{weight_version} since {since or 'it started'} have a reward or a rating after "
+            raise NoTraffic(f"{len(found)} of collect.min_episodes {c.min_episodes} episodes served by {served_by} since {since or 'it started'} have a reward or a rating after "
                             f"collect.max_wait_s {c.max_wait_s:g}s: cycle skipped, nothing trained")
-        print(f"[loop] waiting for traffic: {len(found)}/{c.min_episodes} rewarded episodes of weight version "
-              f"{weight_version} ({waited:.0f}/{c.max_wait_s:g}s)", flush=True)
+        print(f"[loop] waiting for traffic: {len(found)}/{c.min_episodes} rewarded episodes of {served_by} "
+              f"({waited:.0f}/{c.max_wait_s:g}s)", flush=True)
         time.sleep(min(c.poll_s, max(0.0, c.max_wait_s - waited)))
     return CollectManifest(
         endpoint=ep.url, trace_root=str(cfg.serve.trace_root), run_id=f"traffic-v{weight_version}-{uuid.uuid4().hex[:6]}",
-        dates=(), weight_versions=(weight_version,), started_at=since or "", episodes=len(found),
+        dates=(), weight_versions=versions, started_at=since or "", episodes=len(found),
         episodes_ok=len(found), success=sum(r for _, r in found) / len(found), seconds=round(time.monotonic() - t0, 2),
         source="traffic", until=until)
+
+
+def _span(versions: tuple[int, ...]) -> str:
+    return str(versions[0]) if len(versions) == 1 else f"{versions[0]}-{versions[-1]}"
 
 
 def _flush(endpoint: str, token: str | None) -> None:

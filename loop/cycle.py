@@ -106,7 +106,7 @@ def cycle(lp: Loop, k: int) -> CycleState:
         if cfg.collect.source == "traffic":
             out = traffic_phase(cfg, lp.ep, lp.tokenizer, serving["weight_version"], traffic_since(lp.state))
             print(f"[loop] traffic window {out.started_at or 'start'} .. {out.until}: {out.episodes} rewarded episodes "
-                  f"of weight version {serving['weight_version']}, mean reward {out.success:.3f}", flush=True)
+                  f"of weight version(s) {', '.join(map(str, out.weight_versions))}, mean reward {out.success:.3f}", flush=True)
             lp.display.note(reward=out.success)
             return out
         if cfg.task.agent:

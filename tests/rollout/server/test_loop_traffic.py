@@ -54,6 +54,12 @@ def test_traffic_mode_waits_skips_then_trains_on_ungrouped_feedback(srv_main, ti
         first4 = traffic_phase(cfg, ep, str(tiny_base.path), version, since)
     assert first4.episodes == 4 and first4.success == pytest.approx(2 / 4) and first4.until < window.until  # up, down, up, down
     cfg.collect.max_episodes = None
+    with endpoint(cfg, tiny_base.path, tmp_path / "run") as ep:  # the next version's cycle: none of its own yet
+        with pytest.raises(NoTraffic, match=rf"0 of .* served by weight version {version + 1} since"):
+            traffic_phase(cfg, ep, str(tiny_base.path), version + 1, since)
+        cfg.collect.max_staleness = 1  # what the version before served meanwhile counts
+        stale = traffic_phase(cfg, ep, str(tiny_base.path), version + 1, since)
+    assert stale.episodes == 5 and stale.weight_versions == (version, version + 1)
     dataset = dataset_phase(cfg, window, str(tiny_base.path), tmp_path / "run")
     assert dataset.train_episodes == 5 and dataset.dropped_episodes.get("missing_reward") == 1
     assert dataset.parent.until == window.until and dataset.parent.weight_versions == (version,)
