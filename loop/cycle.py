@@ -135,7 +135,8 @@ def cycle(lp: Loop, k: int) -> CycleState:
     except NoTraffic as e:
         return finish(lp, c, "skipped", str(e))
     dataset = _phase(lp, c, "build_dataset", build, lambda d: load_manifest(d["path"]))
-    if "train" not in c.done and not window_served_by(cfg, dataset, serving["checkpoint_sha256"]):
+    stale_ok = cfg.collect.source == "traffic" and cfg.collect.max_staleness > 0  # versions before it, by design
+    if "train" not in c.done and not stale_ok and not window_served_by(cfg, dataset, serving["checkpoint_sha256"]):
         return finish(lp, c, "no_signal", f"no episode of the window was served by the parent's weights "
                       f"({serving['checkpoint_sha256'][:12]}, {serving['path']}): not trained on")
     try:

@@ -267,7 +267,8 @@ def validate_phase(cfg, cand: Candidate, ep, run_dir: Path, tags: dict | None = 
         best = max((float(v.tags["promoted_success"]) for v in registry.client.search_model_versions(
             f"name='{registry.name}'") if "promoted_success" in v.tags), default=None)
         # the held-out episodes were sampled by the serving version (the cycle trains only on a window
-        # it served: loop/cycle.py window_served_by), so their logged logprobs are its behaviour
+        # it served: loop/cycle.py window_served_by; with collect.max_staleness also by the versions
+        # before it), their logged logprobs the behaviour OPE weighs against
         g = gate(cfg, cand.path, cand.fp, status["path"], seqs, run_dir, run_dir / "gates" / Path(cand.path).name,
                  eval_seed=gate_eval_seed(cfg, k), best=best,
                  ope_seqs=heldout(cfg, cand.dataset, cfg.validate.ope_sequences))
