@@ -135,8 +135,7 @@ def cycle(lp: Loop, k: int) -> CycleState:
     except NoTraffic as e:
         return finish(lp, c, "skipped", str(e))
     dataset = _phase(lp, c, "build_dataset", build, lambda d: load_manifest(d["path"]))
-    stale_ok = cfg.collect.source == "traffic" and cfg.collect.max_staleness > 0  # versions before it, by design
-    if "train" not in c.done and not stale_ok and not window_served_by(cfg, dataset, serving["checkpoint_sha256"]):
+    if "train" not in c.done and not window_served_by(cfg, dataset, serving["checkpoint_sha256"]):
         return finish(lp, c, "no_signal", f"no episode of the window was served by the parent's weights "
                       f"({serving['checkpoint_sha256'][:12]}, {serving['path']}): not trained on")
     try:
@@ -217,9 +216,13 @@ def serving_parent(lp: Loop, status: dict) -> str:
 
 
 def window_served_by(cfg, dataset, sha: str) -> bool:
-    """Whether any trace of the dataset's weight versions was served by weights `sha`."""
+    """Whether any trace of the dataset's weight versions was served by weights `sha`; with
+    `collect.max_staleness` on traffic, a window of only the versions before it is trained on too
+    (by design: importance-corrected against the logprobs they were served with)."""
     from rollout.traces import read_traces
 
+    if cfg.collect.source == "traffic" and cfg.collect.max_staleness > 0:
+        return True
     t = read_traces(cfg.serve.trace_root, weight_versions=dataset.weight_versions, columns=["checkpoint_sha256"])
     return sha in set(t["checkpoint_sha256"].to_pylist())
 

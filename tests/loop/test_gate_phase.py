@@ -65,10 +65,13 @@ def test_a_window_the_parent_never_served_is_not_trained_on(ds_episodes, ds_trac
 
     _, ep = ds_episodes[0]
     ds_write(tmp_path / "data", ds_traces(ep, "w-0-0", versions=[3, 3]))  # served by sha 0...0 as version 3
-    cfg = SimpleNamespace(serve=SimpleNamespace(trace_root=str(tmp_path / "data")))
+    cfg = SimpleNamespace(serve=SimpleNamespace(trace_root=str(tmp_path / "data")),
+                          collect=SimpleNamespace(source="traffic", max_staleness=0))
     assert window_served_by(cfg, SimpleNamespace(weight_versions=(3,)), "0" * 64)
     assert not window_served_by(cfg, SimpleNamespace(weight_versions=(3,)), "1" * 64)
     assert not window_served_by(cfg, SimpleNamespace(weight_versions=(4,)), "0" * 64)
+    cfg.collect.max_staleness = 1  # traffic the version before served while the last cycle trained: trained on
+    assert window_served_by(cfg, SimpleNamespace(weight_versions=(3,)), "1" * 64)
 
 
 def test_your_agents_candidates_are_gated_on_your_tasks_not_the_calculator(tiny_base, tiny_cfg, gate_dataset,
