@@ -11,16 +11,16 @@ Nothing a model sampled is ever re-tokenized: the tokens after an assistant's en
 the template's own rendering of what follows it (two renders, the second minus the first; the
 template must render the history the same way both times, or `TemplateError` says where not).
 Tool calls are parsed by vLLM's own parser for the family (`hermes` for ChatML/Qwen, `llama3_json`
-for Llama 3, `mistral`, ...), the one `loop serve` passes `--tool-call-parser`: the collector and an
-outside agent on the endpoint read the same calls. `tool_parser_for(template)` picks it from the
+for Llama 3, `mistral`, `pythonic` for Gemma 3, ...), the one `loop serve` passes
+`--tool-call-parser`: the collector and an outside agent on the endpoint read the same calls. `tool_parser_for(template)` picks it from the
 template where the markup says which; anything else is the config's to name.
 
 `messages(text)` inverts the template without knowing it: rendering one message of each role
 around a sentinel gives that role's framing (what precedes and follows the content), and a rendered
 conversation is split on those framings. Where every message ends in the end-of-turn token (ChatML,
-Llama 3) a framing runs from one to the next; where only assistant turns do (Mistral), it is what
-rendering the message adds to the conversation before it, and a call id the template renders
-matches any id.
+Llama 3, Gemma) a framing runs from one to the next; where only assistant turns do (Mistral), it is
+what rendering the message adds to the conversation before it, and a call id the template renders
+matches any id. Tool-call arguments reach the template as a mapping, as vLLM's server passes them.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from functools import cached_property
+
+from rollout.messages import mapping_arguments
 
 SENTINEL = "QQSENTINELQQ"
 CALL_ID = "QQCALLIDQ"  # nine characters: Mistral renders the last nine of an id
@@ -62,6 +64,8 @@ def tool_parser_for(template: str | None) -> str | None:
         return None
     if "<tool_call>" in template:
         return "hermes"  # Hermes, Qwen2/2.5/3 (vLLM aliases qwen to it)
+    if "[func_name1(" in template:
+        return "pythonic"  # the format line of vLLM's pythonic templates (Llama 3.2, Gemma 3)
     if "<|python_tag|>" in template or ("<|start_header_id|>" in template and '"parameters"' in template):
         return "llama3_json"
     if "[TOOL_CALLS]" in template:
@@ -99,8 +103,8 @@ class ChatFormat:
 
     # -- rendering ----------------------------------------------------------------------------
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=generation_prompt,
-                                                  tokenize=False)
+        return self.tokenizer.apply_chat_template(mapping_arguments(messages), tools=self.tools,
+                                                  add_generation_prompt=generation_prompt, tokenize=False)
 
     def ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -179,8 +183,12 @@ class ChatFormat:
         return self._framing
 
     def _framing_by_eot(self) -> dict | None:
-        """Where every message ends in the end-of-turn token (ChatML, Llama 3): a message's framing
-        runs from the end-of-turn token before it through the one after it. None where one does not."""
+        """Where every message ends in the end-of-turn token (ChatML, Llama 3, Gemma): a message's framing
+        runs from the end-of-turn token before it through the one after it. None where one does not.
+        A template with no system turn (Gemma) puts a system prompt at the start of the first user
+        turn: it reads back as a system message where the tools block stands between it and the
+        user's text, and the user's text then has no opening of its own; without tools it is part of
+        the user's message, as the model saw it."""
         s, eot = SENTINEL, self.eot
         convo = [{"role": "system", "content": s + "S"}, {"role": "user", "content": s + "U"},
                  {"role": "assistant", "content": s + "A"}, {"role": "user", "content": s + "V"},
@@ -188,14 +196,22 @@ class ChatFormat:
                  {"role": "tool", "tool_call_id": CALL_ID, "content": s + "T"}]
         text = self.render(convo, False)
         out: dict[str, list[tuple[str, str]]] = {}
+        folded = None
         for role, tag in (("system", "S"), ("user", "V"), ("assistant", "A"), ("tool", "T")):
             at = text.find(s + tag)
             start = text.rfind(eot, 0, at)
             start = 0 if start < 0 else start + len(eot)
             close = text.find(eot, at)
+            if role == "system" and 0 <= text.find(s, at + len(s)) < close:
+                folded = (text[start:at], text[at + len(s) + 1:text.find(s, at + len(s))])
+                continue  # no system turn: a system prompt opens the first user turn (Gemma)
             if close < 0 or s in text[at + len(s):close]:
                 return None  # this message runs into the next one without an end-of-turn token
             out[role] = [(text[start:at], text[at + len(s) + 1:close + len(eot)])]
+        if folded and folded[1].strip():  # what stands between it and the user's text (the tools) marks its end
+            first = self.render(convo[1:2], False)  # the first user turn with no system prompt before it
+            out["system"] = [folded]
+            out["user"] += [(first[:first.find(s)], out["user"][0][1]), ("", out["user"][0][1])]
         head = self.render(convo[:4], False)
         gen = self.render(convo[:4], True)[len(head):]
         out["assistant"].append((head[head.rfind(eot) + len(eot):] + gen, eot))
@@ -214,7 +230,7 @@ class ChatFormat:
                  {"role": "assistant", "content": s + "A"}]
         out: dict[str, list[tuple[str, str]]] = {}
         def render(msgs, gen, tools):
-            return self.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=gen,
+            return self.tokenizer.apply_chat_template(mapping_arguments(msgs), tools=tools, add_generation_prompt=gen,
                                                       tokenize=False) if msgs else ""
         for tools in (self.tools, None):
             for k, m in enumerate(convo):
@@ -236,8 +252,9 @@ class ChatFormat:
     def messages(self, text: str) -> list[dict]:
         """A rendered conversation (as the model saw it) as OpenAI messages: the next message is
         the framing that starts first (the longest there), or, right after a message that is not
-        an assistant's, an assistant turn the template opens with nothing; text before it that no
-        framing reads is skipped. An assistant turn cut off before its end-of-turn token runs to the end."""
+        an assistant's, an assistant turn the template opens with nothing (Mistral), or, right
+        after a system prompt, the user text it opens (Gemma); text before it that no framing
+        reads is skipped. An assistant turn cut off before its end-of-turn token runs to the end."""
         candidates = sorted(((pre, post, role) for role, fs in self.framing().items() for pre, post in fs),
                             key=lambda c: -len(c[0]))
         bare = next((c for c in candidates if not c[0]), None)  # a role the template opens with nothing
@@ -245,7 +262,8 @@ class ChatFormat:
         while pos < len(text):
             found = [(*_find(text, pre, pos), i) for i, (pre, _, _) in enumerate(candidates) if pre]
             found = sorted((at, i, start) for at, start, i in found if at >= 0)
-            if bare and out and out[-1]["role"] != bare[2] and (not found or found[0][0] > pos):
+            follows = bare and out and out[-1]["role"] != bare[2] and (bare[2] != "user" or out[-1]["role"] == "system")
+            if follows and (not found or found[0][0] > pos):
                 (pre, post, role), start = bare, pos
             elif found:
                 _, i, start = found[0]  # earliest; among equal starts the longest framing (sorted first)

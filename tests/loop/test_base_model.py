@@ -1,9 +1,10 @@
 """`loop run base.model=DIR` on models of other families than the bootstrap's default, built here:
-a Llama (Llama 3.1's chat format and JSON tool calls, untied embeddings) and a Mistral ([INST]
-blocks, [TOOL_CALLS] JSON with call ids, [TOOL_RESULTS]; only assistant turns end in </s>), each
+a Llama (Llama 3.1's chat format and JSON tool calls, untied embeddings), a Mistral ([INST]
+blocks, [TOOL_CALLS] JSON with call ids, [TOOL_RESULTS]; only assistant turns end in </s>) and a
+Gemma 3 (`model` turns, pythonic calls, no system turn: the system prompt opens the first user turn), each
 through a whole cycle (serve quantized -> collect -> dataset -> GRPO + QAT -> requantize -> gate
 -> promote) against a `loop serve` of it, its tool calls read by vLLM's parser for the family
-(`llama3_json`, `mistral`) in the collector and, for an outside agent, at the same endpoint."""
+(`llama3_json`, `mistral`, `pythonic`) in the collector and, for an outside agent, at the same endpoint."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-FAMILIES = {"llama": ("LlamaForCausalLM", "llama3_json"), "mistral": ("MistralForCausalLM", "mistral")}
+FAMILIES = {"llama": ("LlamaForCausalLM", "llama3_json"), "mistral": ("MistralForCausalLM", "mistral"),
+            "gemma": ("Gemma3ForCausalLM", "pythonic")}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -47,6 +49,7 @@ def test_a_model_of_another_family_runs_a_cycle_with_its_own_chat_format(family_
     cache = f"bootstrap.cache_dir={tiny_cfg.bootstrap.cache_dir}"
     with ServerProcess(REPO / "conf" / "tiny.yaml", base.path, run_dir / "data", tmp_path / "srv.log",
                        [cache, "serve.quant=auto", f"run_dir={run_dir}"], admin_token=token) as srv:
+        before = srv.admin("GET", "/admin/status").json()["path"]  # the base, quantized for serving
         out = subprocess.run([sys.executable, "-m", "loop.cli", "run", "conf/tiny.yaml", f"base.model={base.path}",
                               cache, f"run_dir={run_dir}", "serve.quant=auto", "loop.cycles=1",
                               "collect.num_problems=4", "collect.rollout.group_size=8", "collect.rollout.max_tokens=32",
@@ -60,7 +63,7 @@ def test_a_model_of_another_family_runs_a_cycle_with_its_own_chat_format(family_
         assert list(c1["done"]) == ["collect", "build_dataset", "train", "requantize", "validate", "promote"]
         assert c1["outcome"] in ("serving", "rejected") and c1["done"]["train"]["parent"] == base.path
         served = srv.admin("GET", "/admin/status").json()["path"]
-        assert served == (c1["done"]["requantize"]["path"] if c1["outcome"] == "serving" else state["serving"]["path"])
+        assert served == (c1["done"]["requantize"]["path"] if c1["outcome"] == "serving" else before)
 
         # the traced turns read back through the family's framing; sampled calls parsed by its parser
         tok = AutoTokenizer.from_pretrained(base.path)

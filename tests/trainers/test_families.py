@@ -1,6 +1,6 @@
 """Model families other than the default Qwen2: each with its own chat format (Qwen3's think
 blocks, Llama 3.1's headers and JSON tool calls, Mistral's [INST] blocks, [TOOL_CALLS] and
-[TOOL_RESULTS] with call ids), played token-in/token-out by `rollout.chat`,
+[TOOL_RESULTS] with call ids, Gemma 3's turns with pythonic calls and no system turn), played token-in/token-out by `rollout.chat`,
 its tool calls read by vLLM's parser for it, and `base.model` checked at config load."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from rollout.tasks.calculator import TASK, TOOLS, calculator, demonstration, mak
 from trainers.bootstrap.model import FAMILIES, ModelConfig, build_model
 from trainers.bootstrap.tokenizer import render_texts, save_hf_tokenizer, train_tokenizer
 
-PARSERS = {"qwen2": "hermes", "qwen3": "hermes", "llama": "llama3_json", "mistral": "mistral"}
+PARSERS = {"qwen2": "hermes", "qwen3": "hermes", "llama": "llama3_json", "mistral": "mistral", "gemma": "pythonic"}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -65,7 +65,7 @@ def test_each_family_plays_episodes_token_in_token_out(family):
         assert [m["role"] for m in back] == ["system", "user", "assistant", "tool", "assistant"]
         assert back[1]["content"] == p.question and back[3]["content"] == demo[3]["content"]
         assert reward(problem_from_question(back[1]["content"]), back) == 1.0
-    whole = tok.apply_chat_template(demo, tools=TOOLS, tokenize=False)
+    whole = chat.render(demo, False)  # arguments as a mapping, as vLLM's server passes them (Gemma's template needs one)
     if fam == "qwen3":  # past turns lose their (empty) think block once another turn follows
         assert whole.count("<think>") == 1 and tok.decode(played, skip_special_tokens=False).count("<think>") == 2
     else:  # the template renders the conversation as it was played
@@ -82,7 +82,7 @@ def test_a_conversation_with_the_clients_call_ids_reads_back(family):
     for cid in ("call_0", "Ab3dE6gH9", "chatcmpl-tool-8d2f41c0aa"):
         convo = [*demo[:2], {**demo[2], "tool_calls": [{**demo[2]["tool_calls"][0], "id": cid}]},
                  {**demo[3], "tool_call_id": cid}, demo[4]]
-        back = chat.messages(tok.apply_chat_template(convo, tools=TOOLS, tokenize=False))
+        back = chat.messages(chat.render(convo, False))
         assert [m["role"] for m in back] == ["system", "user", "assistant", "tool", "assistant"], (cid, back)
         assert back[3]["content"] == demo[3]["content"] and back[4]["content"] == f"Answer: {p.answer}"
         assert json.loads(back[2]["tool_calls"][0]["function"]["arguments"]) == {"expression": p.expression}
@@ -97,9 +97,9 @@ def test_each_family_builds_an_architecture_vllm_serves(family, tmp_path):
     model = build_model(cfg, tok)
     model.save_pretrained(tmp_path)
     arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
-            "mistral": "MistralForCausalLM"}[fam]
+            "mistral": "MistralForCausalLM", "gemma": "Gemma3ForCausalLM"}[fam]
     assert check_servable(str(tmp_path)) == arch
-    assert model.config.tie_word_embeddings == (fam in ("qwen2", "qwen3"))  # a separate lm_head, as the 7B/8B have
+    assert model.config.tie_word_embeddings == (fam in ("qwen2", "qwen3", "gemma"))  # a separate lm_head, as the 7B/8B have
     with pytest.raises(ValueError, match="family must be one of"):
         ModelConfig(family="gpt2")
 

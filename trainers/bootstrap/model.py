@@ -1,6 +1,7 @@
 """The base model's shape: a small decoder of a family transformers and vLLM both load natively
 (Qwen2, the default; Qwen3, with its q/k norms; Llama and Mistral, with untied embeddings as their
-7B/8B have; Mistral without a sliding window, as since v0.2)."""
+7B/8B have; Mistral without a sliding window, as since v0.2; Gemma 3's text model, tied, its
+embeddings scaled by sqrt(hidden), every layer global here)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 
 # vLLM's CPU attention backend supports these head sizes only.
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-FAMILIES = ("qwen2", "qwen3", "llama", "mistral")
+FAMILIES = ("qwen2", "qwen3", "llama", "mistral", "gemma")
 
 
 @dataclass
@@ -16,7 +17,7 @@ class ModelConfig:
     """Shape of the self-built base model (ignored when `path` points at an existing HF folder)."""
 
     path: str | None = None  # an existing Hugging Face folder to use instead of bootstrapping
-    family: str = "qwen2"  # qwen2 | qwen3 | llama | mistral: the architecture and its chat format (tokenizer.FORMATS)
+    family: str = "qwen2"  # qwen2 | qwen3 | llama | mistral | gemma: architecture and chat format (tokenizer.FORMATS)
     vocab_size: int = 1024
     hidden_size: int = 192
     num_layers: int = 4
@@ -48,8 +49,8 @@ class ModelConfig:
 
 def build_model(cfg: ModelConfig, tokenizer, seed: int = 0):
     import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     torch.manual_seed(seed)
     shape = dict(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
@@ -64,6 +65,10 @@ def build_model(cfg: ModelConfig, tokenizer, seed: int = 0):
     elif cfg.family == "mistral":
         model = MistralForCausalLM(MistralConfig(**shape, head_dim=cfg.head_dim, sliding_window=None,
                                                  tie_word_embeddings=False))
+    elif cfg.family == "gemma":  # Gemma 3's text model: every layer global (no sliding window), tied embeddings
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**shape, head_dim=cfg.head_dim, query_pre_attn_scalar=cfg.head_dim,
+                                                   layer_types=["full_attention"] * cfg.num_layers,
+                                                   sliding_window=cfg.max_position_embeddings, tie_word_embeddings=True))
     else:
         model = LlamaForCausalLM(LlamaConfig(**shape, head_dim=cfg.head_dim, tie_word_embeddings=False))
     model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -4,7 +4,10 @@
 block and its think blocks (an empty one opens each generated turn, and past turns drop theirs).
 `llama`: Llama 3.1's headers, `<|eot_id|>`, JSON tool calls (`{"name", "parameters"}`, vLLM's
 `llama3_json` parser) and `ipython` tool results. `mistral`: [INST] blocks, [AVAILABLE_TOOLS] and [TOOL_CALLS] JSON (vLLM's
-`mistral` parser), [TOOL_RESULTS]; only an assistant turn ends in </s>. The templates are written here, in each
+`mistral` parser), [TOOL_RESULTS]; only an assistant turn ends in </s>. `gemma`: Gemma 3's turns
+(`<start_of_turn>user|model`, `<end_of_turn>`; no system role: a system prompt opens the first user
+turn), tool calls as a Python list of calls (vLLM's `pythonic` parser), results in a user turn's
+`<tool_response>`. The templates are written here, in each
 family's format (no hub to fetch them from); `FORMATS` holds them with their special tokens.
 
 Invariants the rest of Flywheel relies on (qwen2's names; each family has its own):
@@ -172,6 +175,37 @@ MISTRAL_TEMPLATE = """\
 {%- endif %}\
 {%- endfor %}"""
 
+# Gemma 3's format with tools the way vLLM's example template for it does them (pythonic calls):
+# no system role (a system prompt and the tools open the first user turn), the assistant is `model`,
+# a call is `[name(key=value, ...)]` with JSON values (arguments must arrive as a mapping: vLLM parses
+# a request's argument strings before rendering, and so does rollout.chat), a tool result is a user
+# turn in <tool_response>. Every turn ends in <end_of_turn>.
+GEMMA_TEMPLATE = """\
+{{- bos_token }}\
+{%- if messages[0].role == 'system' %}{% set system = messages[0].content %}{% set rest = messages[1:] %}\
+{%- else %}{% set system = '' %}{% set rest = messages %}{% endif %}\
+{%- for m in rest %}<start_of_turn>{{ 'model' if m.role == 'assistant' else 'user' }}
+{% if loop.first %}{% if system %}{{ system | trim }}
+
+{% endif %}{% if tools %}Tools (functions) are available. If you decide to invoke one or more of the tools, you must \
+respond with a python list of the function calls.
+Example Format: [func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)]
+Here is a list of functions in JSON format that you can invoke.
+[{% for tool in tools %}""" + TOOL_SIGNATURE + """{% if not loop.last %}, {% endif %}{% endfor %}]
+
+{% endif %}{% endif %}\
+{%- if m.role == 'assistant' and m.tool_calls %}[\
+{%- for tc in m.tool_calls %}{% set f = tc.function if tc.function is defined else tc %}{{ f.name }}(\
+{%- for k, v in f.arguments.items() %}{{ k }}={{ v | tojson }}{% if not loop.last %}, {% endif %}{% endfor %})\
+{%- if not loop.last %}, {% endif %}{% endfor %}]\
+{%- elif m.role == 'tool' %}<tool_response>
+{{ m.content }}
+</tool_response>\
+{%- else %}{{ m.content | trim }}{% endif %}<end_of_turn>
+{% endfor %}\
+{%- if add_generation_prompt %}<start_of_turn>model
+{% endif %}"""
+
 
 @dataclass(frozen=True)
 class ChatFormatSpec:
@@ -195,6 +229,8 @@ FORMATS = {
                                                  "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
                                                  "[/TOOL_RESULTS]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"), (),
                               "</s>", "<unk>", "<s>"),
+    "gemma": ChatFormatSpec(GEMMA_TEMPLATE, ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"), (),
+                            "<end_of_turn>", "<pad>", "<bos>"),
 }
 
 
@@ -242,7 +278,9 @@ def render_texts(conversations: list[list[dict]], tools: list[dict], family: str
     """Render conversations with the family's template before any tokenizer exists (to train one)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
+    from rollout.messages import mapping_arguments
+
     fmt = FORMATS[family]
-    rendered, _ = render_jinja_template(conversations=conversations, tools=tools, chat_template=fmt.template,
+    rendered, _ = render_jinja_template(conversations=[mapping_arguments(c) for c in conversations], tools=tools, chat_template=fmt.template,
                                         bos_token=fmt.bos or "")
     return rendered
