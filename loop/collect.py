@@ -256,8 +256,9 @@ def traffic_phase(cfg, ep: Endpoint, tokenizer: str, weight_version: int, since:
                 found = found[:c.max_episodes]
             break
         if waited >= c.max_wait_s:
-            raise NoTraffic(f"{len(found)} of collect.min_episodes {c.min_episodes} episodes served by {served_by} since {since or 'it started'} have a reward or a rating after "
-                            f"collect.max_wait_s {c.max_wait_s:g}s: cycle skipped, nothing trained")
+            raise NoTraffic(f"{len(found)} of collect.min_episodes {c.min_episodes} episodes served by {served_by} "
+                            f"since {since or 'it started'} have a reward or a rating after collect.max_wait_s "
+                            f"{c.max_wait_s:g}s: cycle skipped, nothing trained")
         print(f"[loop] waiting for traffic: {len(found)}/{c.min_episodes} rewarded episodes of {served_by} "
               f"({waited:.0f}/{c.max_wait_s:g}s)", flush=True)
         time.sleep(min(c.poll_s, max(0.0, c.max_wait_s - waited)))

@@ -12,8 +12,9 @@ the template's own rendering of what follows it (two renders, the second minus t
 template must render the history the same way both times, or `TemplateError` says where not).
 Tool calls are parsed by vLLM's own parser for the family (`hermes` for ChatML/Qwen, `llama3_json`
 for Llama 3, `mistral`, `pythonic` for Gemma 3, ...), the one `loop serve` passes
-`--tool-call-parser`: the collector and an outside agent on the endpoint read the same calls. `tool_parser_for(template)` picks it from the
-template where the markup says which; anything else is the config's to name.
+`--tool-call-parser`: the collector and an outside agent on the endpoint read the same calls.
+`tool_parser_for(template)` picks it from the template where the markup says which; anything else
+is the config's to name.
 
 `messages(text)` inverts the template without knowing it: rendering one message of each role
 around a sentinel gives that role's framing (what precedes and follows the content), and a rendered

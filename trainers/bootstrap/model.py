@@ -66,9 +66,9 @@ def build_model(cfg: ModelConfig, tokenizer, seed: int = 0):
         model = MistralForCausalLM(MistralConfig(**shape, head_dim=cfg.head_dim, sliding_window=None,
                                                  tie_word_embeddings=False))
     elif cfg.family == "gemma":  # Gemma 3's text model: every layer global (no sliding window), tied embeddings
-        model = Gemma3ForCausalLM(Gemma3TextConfig(**shape, head_dim=cfg.head_dim, query_pre_attn_scalar=cfg.head_dim,
-                                                   layer_types=["full_attention"] * cfg.num_layers,
-                                                   sliding_window=cfg.max_position_embeddings, tie_word_embeddings=True))
+        model = Gemma3ForCausalLM(Gemma3TextConfig(
+            **shape, head_dim=cfg.head_dim, query_pre_attn_scalar=cfg.head_dim, tie_word_embeddings=True,
+            layer_types=["full_attention"] * cfg.num_layers, sliding_window=cfg.max_position_embeddings))
     else:
         model = LlamaForCausalLM(LlamaConfig(**shape, head_dim=cfg.head_dim, tie_word_embeddings=False))
     model.generation_config.eos_token_id = tokenizer.eos_token_id
