@@ -3,12 +3,13 @@
     ./fw python bench/ope_check.py --run runs/agent_rl [--clip 10] [--alpha 0.1]
 
 For every candidate the run gated (gates/*/gate_report.json): the OPE estimate of its reward on the
-cycle's held-out logged episodes (pipelines/ope.py, the candidate's torch twin as served against
-the logged behaviour logprobs) beside what the gate measured by playing fresh eval problems on the
+held-out logged episodes the gate read (pipelines/ope.py, the candidate's torch twin as served against
+the logged behaviour logprobs; the cycle's own and, since `validate.ope_datasets`, earlier cycles',
+the serving twin the reference there) beside what the gate measured by playing fresh eval problems on the
 engine, paired with the serving version. Prints one row per cycle, the mean absolute error of the
 estimated delta against the measured one, and how often the OPE rule (lower bound of the delta above
 validate.min_success_delta) decides as the paired eval did. Reports written after OPE joined the
-gate carry it already (`ope`); older ones are estimated here.
+gate carry it already (`ope`); older ones are estimated here on the cycle's own held-out episodes.
 """
 
 from __future__ import annotations

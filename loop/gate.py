@@ -133,6 +133,29 @@ def heldout(cfg, dataset_path: str, n: int | None = None):
         raise ValueError(f"{e}: the gate needs held-out episodes (dataset.heldout_fraction > 0)") from None
 
 
+def ope_heldout(cfg, dataset_path: str, run_dir: Path) -> list:
+    """The held-out episodes OPE weighs: the candidate's dataset's, then those of this run's earlier
+    datasets (never trained on; earlier versions served them), newest first, `validate.ope_datasets`
+    datasets and `validate.ope_sequences` episodes at most."""
+    from pipelines.logits import dataset_sequences
+
+    out = [heldout(cfg, dataset_path, cfg.validate.ope_sequences)]
+    left = cfg.validate.ope_sequences - len(out[0].ids)
+    own = Path(dataset_path).resolve()
+    for d in sorted((Path(run_dir) / "datasets").glob("*/"), key=lambda d: d.name, reverse=True):
+        if len(out) >= cfg.validate.ope_datasets or left <= 0:
+            break
+        if d.resolve() == own or d.name > own.name:
+            continue  # the candidate's own, or a later one
+        try:
+            s = dataset_sequences(str(d), "heldout", left)
+        except (ValueError, OSError):
+            continue  # none held out, or not a finished dataset
+        out.append(s)
+        left -= len(s.ids)
+    return out
+
+
 def engine_side(cfg, folder: str, seqs, vocab_size: int, run_dir: Path, paired: str | None = None,
                 eval_seed: str | None = None, best: float | None = None):
     """The candidate on vLLM in a child process: prompt log-probs of `seqs` and its eval outcomes on
@@ -271,7 +294,7 @@ def validate_phase(cfg, cand: Candidate, ep, run_dir: Path, tags: dict | None = 
         # before it), their logged logprobs the behaviour OPE weighs against
         g = gate(cfg, cand.path, cand.fp, status["path"], seqs, run_dir, run_dir / "gates" / Path(cand.path).name,
                  eval_seed=gate_eval_seed(cfg, k), best=best,
-                 ope_seqs=heldout(cfg, cand.dataset, cfg.validate.ope_sequences))
+                 ope_seqs=ope_heldout(cfg, cand.dataset, run_dir))
         r = g.report
         log_report(r)
         mlflow.log_artifacts(str(run_dir / "gates" / Path(cand.path).name), artifact_path="gate")

@@ -2,8 +2,10 @@
 
     est = ope(log_ratios, rewards, clip=10.0, alpha=0.1)          # plain (clipped) importance sampling
     est = ope(log_ratios, rewards, normalize=True)                 # self-normalized
+    est = ope(log_ratios, rewards, reference=serving_log_ratios)   # episodes other versions served too
     est.value     # the candidate's estimated mean reward on the logged prompts
-    est.delta     # value - the logged mean reward (what the serving version earned on them)
+    est.delta     # value - the logged mean reward (what the serving version earned on them), or
+                  # with `reference`: value - the serving version's own estimate on the same episodes
     est.lower     # the one-sided (1 - alpha) bootstrap lower bound of delta
     est.ess       # the effective sample size of the weights
 
@@ -23,6 +25,13 @@ names one per episode: the held-out GRPO groups, 8 draws of one prompt whose out
 together, are resampled as groups (a cluster bootstrap), else the interval would claim the
 precision of 8x as many prompts. A small ESS says the candidate left the logged traffic's support:
 the interval is then wide and the gate rightly refuses to call it.
+
+A cycle's held-out split is a few prompts (5-13 GRPO groups at the default), too few once the
+candidate moves far. Earlier cycles' held-out episodes were never trained on either, but other
+versions served them: with `reference` (the serving version's log-ratio to each episode's logged
+behaviour) the serving version's value is estimated on the same episodes the same way, and the
+delta is the difference of the two estimates on each resample (paired: the prompts' difficulty and
+much of the weights' noise cancel). On an episode the serving version served itself its weight is 1.
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ class OPEEstimate:
     mean_weight: float  # < 1: the candidate moved probability mass off the logged episodes
     normalized: bool
     clusters: int = 0  # the units the interval resampled when they were groups of episodes (0: episodes)
+    referenced: bool = False  # `logged` is the serving version's weighted estimate (episodes others served)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -62,46 +72,55 @@ def estimate(w: torch.Tensor, r: torch.Tensor, normalize: bool) -> torch.Tensor:
 
 
 def ope(log_ratios, rewards, clip: float = 10.0, alpha: float = 0.1, resamples: int = 2000,
-        seed: int = 0, normalize: bool = False, clusters=None) -> OPEEstimate:
+        seed: int = 0, normalize: bool = False, clusters=None, reference=None) -> OPEEstimate:
     """The candidate's value on logged episodes (`log_ratios[i]` = its log-likelihood minus the
     behaviour's over episode i's sampled tokens, `rewards[i]` the logged reward; `clusters[i]`, if
-    given, the unit the bootstrap resamples episode i with: its group)."""
+    given, the unit the bootstrap resamples episode i with: its group; `reference[i]`, if given,
+    the serving version's log-ratio to the same behaviour: the delta is then to its estimate)."""
     lr = torch.as_tensor(log_ratios, dtype=torch.float64)
     r = torch.as_tensor(rewards, dtype=torch.float64)
     if lr.ndim != 1 or lr.shape != r.shape or len(r) < 2:
         raise ValueError(f"one log-ratio and one reward per episode, at least 2: got {tuple(lr.shape)}, {tuple(r.shape)}")
-    if not bool(torch.isfinite(lr).all() and torch.isfinite(r).all()):
+    ref = torch.zeros_like(lr) if reference is None else torch.as_tensor(reference, dtype=torch.float64)
+    if ref.shape != lr.shape:
+        raise ValueError(f"one reference log-ratio per episode: got {tuple(ref.shape)} for {len(r)} episodes")
+    if not bool(torch.isfinite(lr).all() and torch.isfinite(r).all() and torch.isfinite(ref).all()):
         raise ValueError("log-ratios and rewards must be finite (a NaN logged logprob cannot be weighted)")
     if not clip > 0 or not 0 < alpha < 1:
         raise ValueError(f"clip must be > 0 and alpha in (0, 1), got {clip}, {alpha}")
-    w = lr.clamp(max=math.log(clip)).exp()
+    w, w0 = lr.clamp(max=math.log(clip)).exp(), ref.clamp(max=math.log(clip)).exp()
     value = float(estimate(w, r, normalize))
-    logged = float(r.mean())
-    deltas = _bootstrap(w, r, clusters, resamples, seed, normalize)
+    logged = float(estimate(w0, r, normalize))  # the logged mean reward where the reference weighs 1
+    deltas = _bootstrap(w, w0, r, clusters, resamples, seed, normalize)
     lower, upper = torch.quantile(deltas, torch.tensor([alpha, 1 - alpha], dtype=torch.float64)).tolist()
     return OPEEstimate(n=len(r), value=value, logged=logged, delta=value - logged, lower=lower, upper=upper,
                        ess=float(w.sum() ** 2 / (w ** 2).sum()), clipped=int((lr > math.log(clip)).sum()),
                        clip=clip, alpha=alpha, max_weight=float(w.max()), mean_weight=float(w.mean()),
-                       normalized=normalize, clusters=len(set(clusters)) if clusters is not None else 0)
+                       normalized=normalize, clusters=len(set(clusters)) if clusters is not None else 0,
+                       referenced=reference is not None)
 
 
-def _bootstrap(w: torch.Tensor, r: torch.Tensor, clusters, resamples: int, seed: int, normalize: bool) -> torch.Tensor:
-    """`resamples` bootstrap draws of V - mean r: of episodes, or of whole clusters (per-cluster
-    sums of w r, w, r and counts, so a draw of clusters is a draw of all their episodes)."""
+def _bootstrap(w: torch.Tensor, w0: torch.Tensor, r: torch.Tensor, clusters, resamples: int, seed: int,
+               normalize: bool) -> torch.Tensor:
+    """`resamples` bootstrap draws of V(w) - V(w0) on the same resample: of episodes, or of whole
+    clusters (per-cluster sums of w r, w and counts, so a draw of clusters draws all their episodes)."""
     g = torch.Generator().manual_seed(seed)
     if clusters is None:
         idx = torch.randint(len(r), (resamples, len(r)), generator=g)
-        return estimate(w[idx], r[idx], normalize) - r[idx].mean(-1)
+        return estimate(w[idx], r[idx], normalize) - estimate(w0[idx], r[idx], normalize)
     if len(clusters) != len(r):
         raise ValueError(f"one cluster per episode: got {len(clusters)} for {len(r)} episodes")
     names: dict = {}
     of = torch.tensor([names.setdefault(c, len(names)) for c in clusters])
     sums = lambda x: torch.zeros(len(names), dtype=torch.float64).index_add_(0, of, x)  # noqa: E731
-    wr, ws, rs, ns = sums(w * r), sums(w), sums(r), sums(torch.ones_like(r))
+    ns = sums(torch.ones_like(r))
     idx = torch.randint(len(names), (resamples, len(names)), generator=g)
     n = ns[idx].sum(-1)
-    value = wr[idx].sum(-1) / (ws[idx].sum(-1).clamp_min(1e-300) if normalize else n)
-    return value - rs[idx].sum(-1) / n
+
+    def value(weights):
+        wr, ws = sums(weights * r), sums(weights)
+        return wr[idx].sum(-1) / (ws[idx].sum(-1).clamp_min(1e-300) if normalize else n)
+    return value(w) - value(w0)
 
 
 def episode_log_ratios(candidate: torch.Tensor, behaviour: torch.Tensor, counts: list[int]) -> torch.Tensor:

@@ -65,6 +65,10 @@ class GateConfig:
     # above min_success_delta), "auto" (eval where the task has eval problems, else OPE). Both are
     # reported whenever both exist, so the estimator is checked against the eval every cycle.
     ope_sequences: int = 512
+    # the datasets whose held-out episodes OPE reads, newest first: the cycle's own and earlier
+    # cycles' (never trained on; other versions served them, so the serving twin's own weights are
+    # the reference the candidate's delta is taken to on each episode). 1: the cycle's own only
+    ope_datasets: int = 8
     ope_clip: float = 10.0
     ope_normalize: bool = False  # self-normalized IS (lower variance; overstated RL candidates here)
     success_source: Literal["auto", "eval", "ope"] = "auto"
@@ -81,8 +85,8 @@ class GateConfig:
             raise ValueError(f"success_alpha must be in (0, 1), got {self.success_alpha}")
         if not self.max_below_best >= 0:
             raise ValueError(f"max_below_best must be >= 0, got {self.max_below_best}")
-        if self.heldout_sequences < 1 or self.engine_topk < 1 or self.ope_sequences < 2:
-            raise ValueError("heldout_sequences and engine_topk must be >= 1, ope_sequences >= 2")
+        if self.heldout_sequences < 1 or self.engine_topk < 1 or self.ope_sequences < 2 or self.ope_datasets < 1:
+            raise ValueError("heldout_sequences, engine_topk and ope_datasets must be >= 1, ope_sequences >= 2")
         if not self.ope_clip > 1:
             raise ValueError(f"ope_clip must be > 1, got {self.ope_clip}")
         if self.success_source not in ("auto", "eval", "ope"):
@@ -137,9 +141,26 @@ class GateReport:
                 f"| success {_nan(self.eval.get('candidate_success')):.1%} vs {_nan(self.eval.get('serving_success')):.1%}"
                 + (f" paired on {self.eval['num_problems']} fresh problems, delta {self.eval['success_delta']:+.3f} "
                    f"(lower bound {self.eval['success_delta_lower']:+.3f})" if "success_delta_lower" in self.eval else "")
-                + (f" | OPE on {self.ope['n']} logged episodes: {self.ope['value']:.1%} vs logged {self.ope['logged']:.1%}, "
+                + (f" | OPE on {self.ope['n']} logged episodes: {self.ope['value']:.1%} vs "
+                   f"{'serving' if self.ope.get('referenced') else 'logged'} {self.ope['logged']:.1%}, "
                    f"delta {self.ope['delta']:+.3f} (lower bound {self.ope['lower']:+.3f}, ESS {self.ope['ess']:.0f})"
                    if self.ope else ""))
+
+
+def _episode_ratios(model, s: Sequences, reference=None):
+    """Per logged episode of `s`: `model`'s log-ratio to the behaviour it was served by, the
+    `reference` model's (zeros without one), its reward, and its group (an episode's segments
+    are one episode: their ratios summed)."""
+    def ratios(m):
+        lp = at_temperature(model_logprobs(m, s), scored_temperatures(s))
+        targets = scored_targets(s)
+        return episode_log_ratios(lp[torch.arange(len(targets)), targets], scored_behaviour(s), scored_counts(s))
+
+    episodes = s.episode_ids or range(len(s.rewards))
+    mine, rewards = per_episode(ratios(model), s.rewards, episodes)
+    ref = per_episode(ratios(reference), s.rewards, episodes)[0] if reference is not None else torch.zeros_like(mine)
+    group = dict(zip(episodes, s.group_ids)) if s.group_ids else {}  # an episode's segments share its group
+    return mine, ref, torch.as_tensor(rewards, dtype=torch.float64), [group.get(e, e) for e in dict.fromkeys(episodes)]
 
 
 def _nan(x) -> float:
@@ -160,11 +181,12 @@ class KLGate:
     """One gate run: `measure()` (checks, then KL with the torch twins), then `with_engine()`."""
 
     def __init__(self, candidate: str | Path, candidate_fp: str | Path | None, serving: str | Path,
-                 seqs: Sequences, cfg: GateConfig, stack: dict | None = None, ope_seqs: Sequences | None = None,
-                 has_eval: bool = True):
+                 seqs: Sequences, cfg: GateConfig, stack: dict | None = None,
+                 ope_seqs: Sequences | list[Sequences] | None = None, has_eval: bool = True):
         self.candidate, self.serving = str(candidate), str(serving)
         self.candidate_fp = str(candidate_fp) if candidate_fp else None
-        self.seqs, self.cfg, self.ope_seqs, self.has_eval = seqs, cfg, ope_seqs, has_eval
+        self.seqs, self.cfg, self.has_eval = seqs, cfg, has_eval
+        self.ope_seqs = [ope_seqs] if isinstance(ope_seqs, Sequences) else ope_seqs  # the cycle's first
         if self.decides_by_ope and ope_seqs is None:
             raise ValueError("validate.success_source reads OPE, but the gate got no logged episodes to weigh")
         self.report = GateReport(True, [], "checks", self.candidate, self.candidate_fp, self.serving,
@@ -209,8 +231,8 @@ class KLGate:
                        "source": "torch twin as served vs full precision"}
             _limits(r, self.cfg, "quant")
         _limits(r, self.cfg, "drift")
-        if self.ope_seqs is not None:
-            self._off_policy(cand)
+        if self.ope_seqs:
+            self._off_policy(cand, serving)
         r.passed = not r.reasons
         r.timings = {"load_s": round(t1 - t0, 3), "forwards_s": round(t2 - t1, 3), "forwards": len(self.lp),
                      "kl_s": round(time.perf_counter() - t2, 3)}
@@ -222,20 +244,17 @@ class KLGate:
         """The success rule reads OPE: asked to, or `auto` with no eval problems to play."""
         return self.cfg.success_source == "ope" or (self.cfg.success_source == "auto" and not self.has_eval)
 
-    def _off_policy(self, cand) -> None:
+    def _off_policy(self, cand, serving) -> None:
         """OPE of the candidate (its torch twin as served, which the engine check holds to the
-        engine) on the held-out logged episodes; decides the success rule when the config says so."""
-        s = self.ope_seqs
-        mine = at_temperature(model_logprobs(cand, s), scored_temperatures(s))
-        targets = scored_targets(s)
-        ratios = episode_log_ratios(mine[torch.arange(len(targets)), targets], scored_behaviour(s), scored_counts(s))
-        episodes = s.episode_ids or range(len(s.rewards))
-        ratios, rewards = per_episode(ratios, s.rewards, episodes)
-        group = dict(zip(episodes, s.group_ids))  # an episode's segments share its group
-        clusters = [group[e] for e in dict.fromkeys(episodes)] if s.group_ids else None
+        engine) on the held-out logged episodes: the cycle's own, and earlier cycles' where given,
+        the serving twin's weights the reference on all of them (its delta to the candidate taken
+        on the same episodes); decides the success rule when the config says so."""
+        parts = [_episode_ratios(cand, s, serving if len(self.ope_seqs) > 1 else None) for s in self.ope_seqs]
+        ratios, refs, rewards = (torch.cat([p[i] for p in parts]) for i in range(3))
+        clusters = [(k, c) for k, p in enumerate(parts) for c in p[3]]
         est = ope(ratios, rewards, clip=self.cfg.ope_clip, alpha=self.cfg.success_alpha, normalize=self.cfg.ope_normalize,
-                  clusters=clusters)
-        self.report.ope = est.to_dict() | {"source": s.source}
+                  clusters=clusters, reference=refs if len(parts) > 1 else None)
+        self.report.ope = est.to_dict() | {"source": ", ".join(s.source for s in self.ope_seqs)}
         passed = round(est.lower, 12) > self.cfg.min_success_delta
         if self.decides_by_ope:
             self.report.success = {"source": "ope", "delta": est.delta, "lower": est.lower, "passed": passed}

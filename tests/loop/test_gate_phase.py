@@ -118,3 +118,28 @@ def test_your_agents_candidates_are_gated_on_your_tasks_not_the_calculator(tiny_
     assert r.success["source"] == "ope" and r.eval["success_delta"] == pytest.approx(1 / 3)
     assert r.eval["candidate_success"] == pytest.approx(2 / 3) and r.eval["source"].endswith("eval split")
     assert "success 66.7% vs 33.3%" in r.summary_line()
+
+
+def test_ope_reads_the_runs_earlier_heldout_episodes_newest_first(tiny_cfg, gate_dataset, tmp_path):
+    """The cycle's own held-out episodes first, then earlier datasets' of the run (never trained on),
+    newest first; none later than the candidate's; at most validate.ope_datasets datasets and
+    validate.ope_sequences episodes; a folder that is no finished dataset is passed over."""
+    import dataclasses
+    import shutil
+
+    import loop.gate as lg
+
+    names = ["20260101T000000Z-a", "20260102T000000Z-b", "20260103T000000Z-c", "20260104T000000Z-d"]
+    for name in names:
+        shutil.copytree(gate_dataset.path, tmp_path / "datasets" / name)
+    (tmp_path / "datasets" / "20260102T120000Z-killed").mkdir()
+    n = len(lg.heldout(tiny_cfg, gate_dataset.path, 512).ids)
+    own = str(tmp_path / "datasets" / names[2])
+    got = lg.ope_heldout(tiny_cfg, own, tmp_path)
+    assert [s.source.split("/")[-1].split(":")[0] for s in got] == [names[2], names[1], names[0]]
+    cfg = dataclasses.replace(tiny_cfg, validate=dataclasses.replace(tiny_cfg.validate, ope_datasets=2))
+    assert len(lg.ope_heldout(cfg, own, tmp_path)) == 2
+    cfg = dataclasses.replace(tiny_cfg, validate=dataclasses.replace(tiny_cfg.validate, ope_sequences=n + 1))
+    capped = lg.ope_heldout(cfg, own, tmp_path)
+    assert [len(s.ids) for s in capped] == [n, 1]
+

@@ -150,6 +150,15 @@ def test_off_policy_evaluation_on_the_logged_heldout_episodes(gate_setup, gate_d
     # on 3 held-out episodes its weights moved the estimate by +0.44 in one fixture build.)
     own = KLGate(tiny_base.path, None, tiny_base.path, s["seqs"], GateConfig(), ope_seqs=logged).measure().ope
     assert own["ess"] > 0.999 * own["n"] and abs(own["delta"]) < 1e-3, own
+    # earlier cycles' held-out episodes join (here: the same ones again, as a stand-in): other
+    # versions served them, so the delta is taken to the serving twin's own estimate on them
+    pooled = KLGate(s["good"], s["trained"], s["serving"], s["seqs"], GateConfig(), ope_seqs=[logged, logged]).measure()
+    p = pooled.ope
+    assert p["referenced"] and not o["referenced"] and p["n"] == 2 * o["n"] and p["clusters"] == 2 * o["clusters"]
+    assert p["value"] == pytest.approx(o["value"]) and p["delta"] == pytest.approx(p["value"] - p["logged"])
+    assert "vs serving" in pooled.summary_line() and "vs logged" in report.summary_line()
+    same = KLGate(tiny_base.path, None, tiny_base.path, s["seqs"], GateConfig(), ope_seqs=[logged, logged]).measure()
+    assert same.ope["delta"] == 0 and same.ope["lower"] == 0  # the candidate is the serving version: no difference
     strict = run(success_source="ope", min_success_delta=0.5)
     assert not strict.passed and strict.reasons[0].startswith("OPE reward delta") and "validate.min_success_delta +0.5" \
         in strict.reasons[0]
