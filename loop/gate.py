@@ -134,26 +134,12 @@ def heldout(cfg, dataset_path: str, n: int | None = None):
 
 
 def ope_heldout(cfg, dataset_path: str, run_dir: Path) -> list:
-    """The held-out episodes OPE weighs: the candidate's dataset's, then those of this run's earlier
-    datasets (never trained on; earlier versions served them), newest first, `validate.ope_datasets`
-    datasets and `validate.ope_sequences` episodes at most."""
-    from pipelines.logits import dataset_sequences
+    """The held-out episodes OPE weighs: the candidate's dataset's, then this run's earlier ones."""
+    from pipelines.logits import heldout_history
 
-    out = [heldout(cfg, dataset_path, cfg.validate.ope_sequences)]
-    left = cfg.validate.ope_sequences - len(out[0].ids)
-    own = Path(dataset_path).resolve()
-    for d in sorted((Path(run_dir) / "datasets").glob("*/"), key=lambda d: d.name, reverse=True):
-        if len(out) >= cfg.validate.ope_datasets or left <= 0:
-            break
-        if d.resolve() == own or d.name > own.name:
-            continue  # the candidate's own, or a later one
-        try:
-            s = dataset_sequences(str(d), "heldout", left)
-        except (ValueError, OSError):
-            continue  # none held out, or not a finished dataset
-        out.append(s)
-        left -= len(s.ids)
-    return out
+    first = heldout(cfg, dataset_path, cfg.validate.ope_sequences)
+    return heldout_history(first, dataset_path, Path(run_dir) / "datasets", cfg.validate.ope_sequences,
+                           cfg.validate.ope_datasets)
 
 
 def engine_side(cfg, folder: str, seqs, vocab_size: int, run_dir: Path, paired: str | None = None,

@@ -77,6 +77,28 @@ def dataset_sequences(dataset: str | Path, split: str, max_sequences: int, seed:
                      tuple(float(r["reward"]) for r in rows), tuple(r["group_id"] for r in rows))
 
 
+def heldout_history(first: Sequences, dataset: str | Path, datasets_dir: Path, max_sequences: int,
+                    max_datasets: int) -> list[Sequences]:
+    """`first` (the held-out episodes of `dataset`), then those of the earlier datasets beside it in
+    `datasets_dir` (named by creation time), newest first: never trained on by a later candidate,
+    served by earlier versions. At most `max_datasets` sets and `max_sequences` episodes; a folder
+    that holds no finished dataset or no held-out split is passed over."""
+    out, left = [first], max_sequences - len(first.ids)
+    own = Path(dataset).resolve()
+    for d in sorted(Path(datasets_dir).glob("*/"), key=lambda d: d.name, reverse=True):
+        if len(out) >= max_datasets or left <= 0:
+            break
+        if d.resolve() == own or d.name > own.name:
+            continue  # the candidate's own, or a later one
+        try:
+            s = dataset_sequences(d, "heldout", left)
+        except (ValueError, OSError):
+            continue
+        out.append(s)
+        left -= len(s.ids)
+    return out
+
+
 def batches(seqs: Sequences, batch_size: int):
     """(input_ids [B, T], attention_mask [B, T], scored [B, T-1] bool) per batch, right-padded."""
     for i in range(0, len(seqs.ids), batch_size):
