@@ -202,11 +202,11 @@ class ChatFormat:
             at = text.find(s + tag)
             start = text.rfind(eot, 0, at)
             start = 0 if start < 0 else start + len(eot)
-            close = text.find(eot, at)
-            if role == "system" and 0 <= text.find(s, at + len(s)) < close:
-                folded = (text[start:at], text[at + len(s) + 1:text.find(s, at + len(s))])
+            close, nxt = text.find(eot, at), text.find(s, at + len(s))
+            if role == "system" and 0 <= nxt < close:
+                folded = (text[start:at], text[at + len(s) + 1:nxt])
                 continue  # no system turn: a system prompt opens the first user turn (Gemma)
-            if close < 0 or s in text[at + len(s):close]:
+            if close < 0 or 0 <= nxt < close:
                 return None  # this message runs into the next one without an end-of-turn token
             out[role] = [(text[start:at], text[at + len(s) + 1:close + len(eot)])]
         if folded and folded[1].strip():  # what stands between it and the user's text (the tools) marks its end
