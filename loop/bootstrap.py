@@ -99,7 +99,10 @@ def cache_key(cfg: BootstrapConfig, task: TaskConfig) -> str:
     model = asdict(cfg.model)
     if model["family"] == "qwen2":  # the bases built before families existed keep their keys
         del model["family"]
-    key = {"model": model, "sft": asdict(cfg.sft), "task_seed": task.seed,
+    sft = asdict(cfg.sft)
+    if sft["lr_schedule"] == "constant":  # and those built before SFT had a schedule
+        del sft["lr_schedule"]
+    key = {"model": model, "sft": sft, "task_seed": task.seed,
            "corpus": cfg.tokenizer_corpus_problems, "format": 2}  # 2: templates render a tool's signature only
     if task.name != "calculator":  # and those built before tasks had names
         key["task"] = task.name

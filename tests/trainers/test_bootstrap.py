@@ -107,3 +107,30 @@ def test_base_model_in_vllm_matches_transformers(tiny_base, tiny_tokenizer, tiny
     first = eps_vllm[0].turns[0].completion
     assert isinstance(first, Completion) and len(first.logprobs) == len(first.token_ids)
     assert all(lp <= 0 for lp in first.logprobs)
+
+
+def test_sft_lr_schedule_warms_up_then_holds_or_decays_to_a_tenth():
+    from trainers.bootstrap.sft import SFTConfig, lr_factor
+
+    const = SFTConfig(warmup_steps=10, max_steps=110)
+    cos = SFTConfig(warmup_steps=10, max_steps=110, lr_schedule="cosine")
+    assert [lr_factor(c, 4) for c in (const, cos)] == [0.5, 0.5]
+    assert lr_factor(const, 109) == 1.0 and lr_factor(cos, 10) == 1.0
+    assert abs(lr_factor(cos, 60) - 0.55) < 1e-9 and abs(lr_factor(cos, 110) - 0.1) < 1e-9
+    with pytest.raises(ValueError, match="lr_schedule"):
+        SFTConfig(lr_schedule="linear")
+
+
+def test_a_constant_sft_schedule_keeps_the_bases_cache_key():
+    """The default's base (built before SFT had a schedule) keeps its key, so a cached one stays
+    valid; a cosine schedule is another base."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from loop.bootstrap import cache_key
+    from loop.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "conf" / "agent_rl.yaml")
+    b = cfg.bootstrap
+    assert cache_key(b, cfg.task) == "57113766ea57"
+    assert cache_key(replace(b, sft=replace(b.sft, lr_schedule="cosine")), cfg.task) != "57113766ea57"

@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from tqdm.auto import tqdm
@@ -23,6 +24,9 @@ from tqdm.auto import tqdm
 class SFTConfig:
     lr: float = 1e-3
     warmup_steps: int = 20
+    # "cosine" decays the lr to 10% of `lr` at max_steps: a skill that the constant rate's noise
+    # floor hides (the SQL task's copy of a query's result into the answer) keeps improving
+    lr_schedule: Literal["constant", "cosine"] = "constant"
     batch_size: int = 64
     max_steps: int = 400
     min_steps: int = 100
@@ -36,6 +40,8 @@ class SFTConfig:
     def __post_init__(self):
         if not 0 < self.lr < 1:
             raise ValueError(f"lr must be in (0, 1), got {self.lr}")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
         if self.eval_temperature < 0:
             raise ValueError(f"eval_temperature must be >= 0, got {self.eval_temperature}")
         if not 0 <= self.target_success <= 1:
@@ -56,6 +62,16 @@ class SFTResult:
     history: list[dict]
 
 
+def lr_factor(cfg: SFTConfig, step: int) -> float:
+    """The lr multiplier after `step` optimizer steps: a linear warmup, then constant or a cosine
+    down to 0.1 at max_steps."""
+    warm = min(1.0, (step + 1) / cfg.warmup_steps)
+    if cfg.lr_schedule == "constant" or step < cfg.warmup_steps:
+        return warm
+    done = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * done))
+
+
 def sft(model, tokenizer, cfg: SFTConfig, encoded: list[tuple[list[int], list[int]]],
         evaluate: Callable[[object], float], log=lambda step, metrics: None) -> SFTResult:
     """Train on demonstrations encoded as (token ids, 0/1 loss mask) pairs (the caller renders them
@@ -64,7 +80,7 @@ def sft(model, tokenizer, cfg: SFTConfig, encoded: list[tuple[list[int], list[in
     composes: trainers/ knows no task) decides whether to stop."""
     torch.manual_seed(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(cfg, s))
     rng = torch.Generator().manual_seed(cfg.seed)
     history, t0, loss_val, success = [], time.perf_counter(), math.nan, 0.0
     bar = tqdm(range(1, cfg.max_steps + 1), desc="SFT", unit="step")
