@@ -143,7 +143,7 @@ def ope_heldout(cfg, dataset_path: str, run_dir: Path) -> list:
 
 
 def engine_side(cfg, folder: str, seqs, vocab_size: int, run_dir: Path, paired: str | None = None,
-                eval_seed: str | None = None, best: float | None = None):
+                eval_seed: str | None = None, best: tuple[float, float | None] | None = None):
     """The candidate on vLLM in a child process: prompt log-probs of `seqs` and its eval outcomes on
     the eval problems `eval_seed` draws; with `paired` (the serving folder), the serving version's
     outcomes on the very same problems, played after it in the same child (the paired test). With
@@ -172,8 +172,17 @@ def engine_side(cfg, folder: str, seqs, vocab_size: int, run_dir: Path, paired: 
     if not play:
         return EngineSide(lp, None, None, t, 0, source, res["seconds"]), res
     outcomes = (res["outcomes"][f"T={t}"], res["paired"]["outcomes"][f"T={t}"]) if paired else None
-    return EngineSide(lp, res[f"T={t}"], res["paired"][f"T={t}"] if paired else None, t, res["num_problems"], source,
-                      res["seconds"], outcomes, best, eval_seed), res
+    serving_here = res["paired"][f"T={t}"] if paired else None
+    return EngineSide(lp, res[f"T={t}"], serving_here, t, res["num_problems"], source,
+                      res["seconds"], outcomes, best_here(best, serving_here), eval_seed), res
+
+
+def best_here(best: tuple[float, float | None] | None, serving_here: float | None) -> float | None:
+    """The best promoted version's success on this gate's problems: serving's here plus the gap
+    `best_above_serving` found; its own record where either is unknown."""
+    if best is None:
+        return None
+    return best[0] if best[1] is None or serving_here is None else serving_here + best[1]
 
 
 def gate_eval_seed(cfg, k: int | str) -> str:
@@ -193,12 +202,27 @@ def retry_once(fn, what: str):
         return fn()
 
 
+def best_above_serving(registry, serving_v) -> tuple[float, float | None] | None:
+    """The best success a promoted version had at its gate, and how far that is above the serving
+    version's own at its gate (None where serving has none: the base). Each was measured on its own
+    cycle's problems and recorded because it passed, so it reads high (the gate selected it); the
+    difference of two such records does not, and the engine adds it to serving's success on this
+    gate's problems (EngineSide.best_success)."""
+    recorded = [float(v.tags["promoted_success"]) for v in registry.client.search_model_versions(
+        f"name='{registry.name}'") if "promoted_success" in v.tags]
+    if not recorded:
+        return None
+    own = serving_v.tags.get("promoted_success")
+    return max(recorded), None if own is None else max(recorded) - float(own)
+
+
 def gate(cfg, candidate: str, fp: str | None, serving: str, seqs, run_dir: Path, out_dir: Path,
-         eval_seed: str | None = None, best: float | None = None, paired: bool = True, ope_seqs=None):
+         eval_seed: str | None = None, best: tuple[float, float | None] | None = None, paired: bool = True,
+         ope_seqs=None):
     """The whole gate: checks and twin KL, then (if those pass) the engine stage: the candidate's
     served log-probs and, with `paired`, the paired success test against `serving` on the eval
-    problems `eval_seed` draws, with `best` (the best success a version served so far) as a
-    floor; with `ope_seqs` (held-out logged episodes) the OPE estimate beside it. Returns the KLGate."""
+    problems `eval_seed` draws, with `best` (`best_above_serving`) as a floor; with `ope_seqs`
+    (held-out logged episodes) the OPE estimate beside it. Returns the KLGate."""
     from loop import evaluate
     from rollout.capabilities import detect, serving_format
     from rollout.server.tracing import quant_format, stack_fingerprint
@@ -273,8 +297,7 @@ def validate_phase(cfg, cand: Candidate, ep, run_dir: Path, tags: dict | None = 
     with start_run(cfg, "validate", tags={"phase": "validate", "candidate": cand.path, "serving": status["path"],
                                           "serving_version": serving_v.version}):
         k = (tags or {}).get("loop_cycle", f"manual-{int(time.time())}")
-        best = max((float(v.tags["promoted_success"]) for v in registry.client.search_model_versions(
-            f"name='{registry.name}'") if "promoted_success" in v.tags), default=None)
+        best = best_above_serving(registry, serving_v)
         # the held-out episodes were sampled by the serving version (the cycle trains only on a window
         # it served: loop/cycle.py window_served_by; with collect.max_staleness also by the versions
         # before it), their logged logprobs the behaviour OPE weighs against

@@ -55,8 +55,12 @@ class GateConfig:
     # passes at most success_alpha of the time (bench/gate_power.py measures it).
     min_success_delta: float = -0.05
     success_alpha: float = 0.1
-    # A floor against the best success any promoted version had at its gate (other problems, so
-    # unpaired): a chain of slightly worse promotions cannot walk far down.
+    # A floor against the best success any promoted version had: a chain of slightly worse promotions
+    # cannot walk far down. The best is taken on this gate's problems: serving's success here plus
+    # how far the best was above serving at their own gates (loop/gate.py best_above_serving), not
+    # the best's own record, which its gate selected for reading high (a SQL run's serving version
+    # recorded 52.5% at its gate and played 41.5% on a later gate's problems, where a candidate equal
+    # to it on the paired test was refused against the 52.5%).
     max_below_best: float = 0.1
     # Off-policy evaluation (pipelines/ope.py): the candidate's reward estimated on the held-out logged
     # episodes (up to ope_sequences) from their behaviour logprobs, weights clipped at ope_clip.
@@ -107,7 +111,7 @@ class EngineSide:
     source: str
     seconds: float
     paired: tuple[list[float], list[float]] | None = None  # per-problem outcomes (candidate, serving)
-    best_success: float | None = None  # the best promoted version's success at its gate
+    best_success: float | None = None  # the best promoted version's success, on these problems where known
     eval_seed: str | None = None  # which eval problems were played
 
 

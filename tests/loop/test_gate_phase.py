@@ -102,7 +102,7 @@ def test_your_agents_candidates_are_gated_on_your_tasks_not_the_calculator(tiny_
 
     monkeypatch.setattr("loop.evaluate.agent_eval", agent_eval)
     seqs = lg.heldout(cfg, gate_dataset.path)
-    engine, res = lg.engine_side(cfg, tiny_base.path, seqs, 512, tmp_path, tiny_base.path, "gate-0-1", best=0.9)
+    engine, res = lg.engine_side(cfg, tiny_base.path, seqs, 512, tmp_path, tiny_base.path, "gate-0-1", best=(0.9, None))
     assert engine.success is None and engine.paired is None and engine.num_problems == 0 and "T=1.0" not in res
     assert engine.logprobs.shape[0] == sum(sum(m[1:]) for m in seqs.sampled)  # the engine stage's log-probs
     from loop.evaluate import agent_paired
@@ -112,7 +112,7 @@ def test_your_agents_candidates_are_gated_on_your_tasks_not_the_calculator(tiny_
     monkeypatch.setattr(lg, "engine_side", lambda *a, **k: (dataclasses.replace(engine), res))
     monkeypatch.setattr("loop.evaluate.agent_paired", lambda c, cand, srv: ([1.0, 0.0, 1.0], [0.0, 0.0, 1.0], 1.0))
     g = lg.gate(cfg, tiny_base.path, None, tiny_base.path, seqs, tmp_path, tmp_path / "gate", eval_seed="gate-0-1",
-                best=0.9, ope_seqs=lg.heldout(cfg, gate_dataset.path, 512))
+                best=(0.9, None), ope_seqs=lg.heldout(cfg, gate_dataset.path, 512))
     r = g.report
     assert r.passed, r.reasons  # OPE decides (itself against itself), the floor of 0.9 is the built-in task's
     assert r.success["source"] == "ope" and r.eval["success_delta"] == pytest.approx(1 / 3)
@@ -143,3 +143,27 @@ def test_ope_reads_the_runs_earlier_heldout_episodes_newest_first(tiny_cfg, gate
     capped = lg.ope_heldout(cfg, own, tmp_path)
     assert [len(s.ids) for s in capped] == [n, 1]
 
+
+
+def test_the_best_versions_floor_is_taken_relative_to_serving(tmp_path):
+    """The floor against the best promoted version: its recorded success (its own gate's problems,
+    selected for reading high) less serving's recorded one, added by the engine to serving's success
+    on this gate's problems; the base (no record) falls back to the best's record."""
+    import loop.gate as lg
+    from pipelines.promote import Registry
+
+    registry = Registry(f"sqlite:///{tmp_path / 'mlflow.db'}", "policy")
+    base = registry.register(str(tmp_path / "base"), {})
+    assert lg.best_above_serving(registry, base) is None  # nothing promoted yet: no floor
+    v2, v3 = (registry.register(str(tmp_path / n), {}) for n in ("v2", "v3"))
+    registry.tag(v2.version, promoted_success=0.525)
+    registry.tag(v3.version, promoted_success=0.455)
+    get = lambda v: registry.client.get_model_version(registry.name, v.version)  # noqa: E731
+    assert lg.best_above_serving(registry, get(v2)) == (0.525, 0.0)
+    best, gap = lg.best_above_serving(registry, get(v3))
+    assert best == 0.525 and gap == pytest.approx(0.07)
+    assert lg.best_above_serving(registry, get(base)) == (0.525, None)
+    # serving played 41.5% here: the best is taken at 41.5% + 7 points, not at its own 52.5%
+    assert lg.best_here((best, gap), 0.415) == pytest.approx(0.485)
+    assert lg.best_here((0.525, None), 0.415) == 0.525 and lg.best_here((0.525, 0.07), None) == 0.525
+    assert lg.best_here(None, 0.415) is None

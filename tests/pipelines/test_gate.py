@@ -108,6 +108,7 @@ def test_the_paired_success_test_promotes_only_what_its_lower_bound_clears(gate_
     report = judge(same, same, best=0.65)
     assert not report.passed and report.reasons == [
         "success 0.500 < the best promoted version's 0.650 - validate.max_below_best 0.1"]
+    assert report.eval["best_success"] == 0.65
 
 
 def test_kl_is_taken_at_the_temperature_the_tokens_were_sampled_at():
