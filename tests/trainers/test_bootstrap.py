@@ -117,6 +117,7 @@ def test_sft_lr_schedule_warms_up_then_holds_or_decays_to_a_tenth():
     assert [lr_factor(c, 4) for c in (const, cos)] == [0.5, 0.5]
     assert lr_factor(const, 109) == 1.0 and lr_factor(cos, 10) == 1.0
     assert abs(lr_factor(cos, 60) - 0.55) < 1e-9 and abs(lr_factor(cos, 110) - 0.1) < 1e-9
+    assert lr_factor(SFTConfig(warmup_steps=0, max_steps=100, lr_schedule="cosine"), 0) == 1.0  # no warmup
     with pytest.raises(ValueError, match="lr_schedule"):
         SFTConfig(lr_schedule="linear")
 

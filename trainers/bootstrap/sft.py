@@ -65,7 +65,7 @@ class SFTResult:
 def lr_factor(cfg: SFTConfig, step: int) -> float:
     """The lr multiplier after `step` optimizer steps: a linear warmup, then constant or a cosine
     down to 0.1 at max_steps."""
-    warm = min(1.0, (step + 1) / cfg.warmup_steps)
+    warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps > 0 else 1.0
     if cfg.lr_schedule == "constant" or step < cfg.warmup_steps:
         return warm
     done = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
