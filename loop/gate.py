@@ -152,7 +152,7 @@ def engine_side(cfg, folder: str, seqs, vocab_size: int, run_dir: Path, paired: 
     import torch
 
     from loop.evaluate import served_success
-    from pipelines.validate import EngineSide
+    from pipelines.validate import EngineSide, best_here
 
     t = cfg.collect.rollout.temperature
     k = cfg.validate.engine_logprobs_k(vocab_size)
@@ -177,14 +177,6 @@ def engine_side(cfg, folder: str, seqs, vocab_size: int, run_dir: Path, paired: 
                       res["seconds"], outcomes, best_here(best, serving_here), eval_seed), res
 
 
-def best_here(best: tuple[float, float | None] | None, serving_here: float | None) -> float | None:
-    """The best promoted version's success on this gate's problems: serving's here plus the gap
-    `best_above_serving` found; its own record where either is unknown."""
-    if best is None:
-        return None
-    return best[0] if best[1] is None or serving_here is None else serving_here + best[1]
-
-
 def gate_eval_seed(cfg, k: int | str) -> str:
     """The eval problems the gate of cycle `k` plays: fresh each cycle, never `task.seed`'s (which
     `loop eval` reports on, so the number a user reads was never selected on)."""
@@ -202,26 +194,12 @@ def retry_once(fn, what: str):
         return fn()
 
 
-def best_above_serving(registry, serving_v) -> tuple[float, float | None] | None:
-    """The best success a promoted version had at its gate, and how far that is above the serving
-    version's own at its gate (None where serving has none: the base). Each was measured on its own
-    cycle's problems and recorded because it passed, so it reads high (the gate selected it); the
-    difference of two such records does not, and the engine adds it to serving's success on this
-    gate's problems (EngineSide.best_success)."""
-    recorded = [float(v.tags["promoted_success"]) for v in registry.client.search_model_versions(
-        f"name='{registry.name}'") if "promoted_success" in v.tags]
-    if not recorded:
-        return None
-    own = serving_v.tags.get("promoted_success")
-    return max(recorded), None if own is None else max(recorded) - float(own)
-
-
 def gate(cfg, candidate: str, fp: str | None, serving: str, seqs, run_dir: Path, out_dir: Path,
          eval_seed: str | None = None, best: tuple[float, float | None] | None = None, paired: bool = True,
          ope_seqs=None):
     """The whole gate: checks and twin KL, then (if those pass) the engine stage: the candidate's
     served log-probs and, with `paired`, the paired success test against `serving` on the eval
-    problems `eval_seed` draws, with `best` (`best_above_serving`) as a floor; with `ope_seqs`
+    problems `eval_seed` draws, with `best` (`Registry.best_above`) as a floor; with `ope_seqs`
     (held-out logged episodes) the OPE estimate beside it. Returns the KLGate."""
     from loop import evaluate
     from rollout.capabilities import detect, serving_format
@@ -297,7 +275,7 @@ def validate_phase(cfg, cand: Candidate, ep, run_dir: Path, tags: dict | None = 
     with start_run(cfg, "validate", tags={"phase": "validate", "candidate": cand.path, "serving": status["path"],
                                           "serving_version": serving_v.version}):
         k = (tags or {}).get("loop_cycle", f"manual-{int(time.time())}")
-        best = best_above_serving(registry, serving_v)
+        best = registry.best_above(serving_v)
         # the held-out episodes were sampled by the serving version (the cycle trains only on a window
         # it served: loop/cycle.py window_served_by; with collect.max_staleness also by the versions
         # before it), their logged logprobs the behaviour OPE weighs against

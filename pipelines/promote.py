@@ -186,6 +186,19 @@ class Registry:
         for k, v in tags.items():
             self.client.set_model_version_tag(self.name, str(version), k, _tag(v))
 
+    def best_above(self, serving_v) -> tuple[float, float | None] | None:
+        """The best success a promoted version had at its gate, and how far that is above the
+        serving version's own at its gate (None where serving has none: the base). Each was
+        measured on its own cycle's problems and recorded because it passed, so it reads high (the
+        gate selected it); the difference of two such records does not, and the gate adds it to
+        serving's success on its own problems (pipelines/validate.py best_here)."""
+        recorded = [float(v.tags["promoted_success"]) for v in self.client.search_model_versions(
+            f"name='{self.name}'") if "promoted_success" in v.tags]
+        if not recorded:
+            return None
+        own = serving_v.tags.get("promoted_success")
+        return max(recorded), None if own is None else max(recorded) - float(own)
+
     def version_of(self, path: str):
         """The newest version of the checkpoint folder `path`, or None."""
         found = [v for v in self.client.search_model_versions(f"name='{self.name}'") if self.path_of(v) == str(path)]

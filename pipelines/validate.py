@@ -57,8 +57,8 @@ class GateConfig:
     success_alpha: float = 0.1
     # A floor against the best success any promoted version had: a chain of slightly worse promotions
     # cannot walk far down. The best is taken on this gate's problems: serving's success here plus
-    # how far the best was above serving at their own gates (loop/gate.py best_above_serving), not
-    # the best's own record, which its gate selected for reading high (a SQL run's serving version
+    # how far the best was above serving at their own gates (pipelines/promote.py
+    # Registry.best_above), not the best's own record, which its gate selected for reading high (a SQL run's serving version
     # recorded 52.5% at its gate and played 41.5% on a later gate's problems, where a candidate equal
     # to it on the paired test was refused against the 52.5%).
     max_below_best: float = 0.1
@@ -113,6 +113,14 @@ class EngineSide:
     paired: tuple[list[float], list[float]] | None = None  # per-problem outcomes (candidate, serving)
     best_success: float | None = None  # the best promoted version's success, on these problems where known
     eval_seed: str | None = None  # which eval problems were played
+
+
+def best_here(best: tuple[float, float | None] | None, serving_here: float | None) -> float | None:
+    """The best promoted version's success on this gate's problems: serving's here plus the gap
+    `Registry.best_above` found; its own record where either is unknown."""
+    if best is None:
+        return None
+    return best[0] if best[1] is None or serving_here is None else serving_here + best[1]
 
 
 @dataclass

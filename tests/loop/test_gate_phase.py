@@ -149,21 +149,21 @@ def test_the_best_versions_floor_is_taken_relative_to_serving(tmp_path):
     """The floor against the best promoted version: its recorded success (its own gate's problems,
     selected for reading high) less serving's recorded one, added by the engine to serving's success
     on this gate's problems; the base (no record) falls back to the best's record."""
-    import loop.gate as lg
     from pipelines.promote import Registry
+    from pipelines.validate import best_here
 
     registry = Registry(f"sqlite:///{tmp_path / 'mlflow.db'}", "policy")
     base = registry.register(str(tmp_path / "base"), {})
-    assert lg.best_above_serving(registry, base) is None  # nothing promoted yet: no floor
+    assert registry.best_above(base) is None  # nothing promoted yet: no floor
     v2, v3 = (registry.register(str(tmp_path / n), {}) for n in ("v2", "v3"))
     registry.tag(v2.version, promoted_success=0.525)
     registry.tag(v3.version, promoted_success=0.455)
     get = lambda v: registry.client.get_model_version(registry.name, v.version)  # noqa: E731
-    assert lg.best_above_serving(registry, get(v2)) == (0.525, 0.0)
-    best, gap = lg.best_above_serving(registry, get(v3))
+    assert registry.best_above(get(v2)) == (0.525, 0.0)
+    best, gap = registry.best_above(get(v3))
     assert best == 0.525 and gap == pytest.approx(0.07)
-    assert lg.best_above_serving(registry, get(base)) == (0.525, None)
+    assert registry.best_above(get(base)) == (0.525, None)
     # serving played 41.5% here: the best is taken at 41.5% + 7 points, not at its own 52.5%
-    assert lg.best_here((best, gap), 0.415) == pytest.approx(0.485)
-    assert lg.best_here((0.525, None), 0.415) == 0.525 and lg.best_here((0.525, 0.07), None) == 0.525
-    assert lg.best_here(None, 0.415) is None
+    assert best_here((best, gap), 0.415) == pytest.approx(0.485)
+    assert best_here((0.525, None), 0.415) == 0.525 and best_here((0.525, 0.07), None) == 0.525
+    assert best_here(None, 0.415) is None
