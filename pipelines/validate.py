@@ -57,10 +57,10 @@ class GateConfig:
     success_alpha: float = 0.1
     # A floor against the best success any promoted version had: a chain of slightly worse promotions
     # cannot walk far down. The best is taken on this gate's problems: serving's success here plus
-    # how far the best was above serving at their own gates (pipelines/promote.py
-    # Registry.best_above), not the best's own record, which its gate selected for reading high (a SQL run's serving version
-    # recorded 52.5% at its gate and played 41.5% on a later gate's problems, where a candidate equal
-    # to it on the paired test was refused against the 52.5%).
+    # how far the best was above serving at their own gates (pipelines/promote.py Registry.best_above),
+    # not the best's own record, which its gate selected for reading high (a SQL run's serving
+    # version recorded 52.5% at its gate and played 41.5% on a later gate's problems, where a
+    # candidate equal to it on the paired test was refused against the 52.5%).
     max_below_best: float = 0.1
     # Off-policy evaluation (pipelines/ope.py): the candidate's reward estimated on the held-out logged
     # episodes (up to ope_sequences) from their behaviour logprobs, weights clipped at ope_clip.
