@@ -1,6 +1,8 @@
 import asyncio
+import os
 import re
 import shutil
+import statistics
 import threading
 import time
 
@@ -103,37 +105,61 @@ def test_writers_share_a_root_and_leave_each_other_alone(tmp_path, tr_make_trace
     assert sorted(read_traces(tmp_path)["trace_id"].to_pylist()) == ["t000001", "t000002", "t000003"]
 
 
-def test_concurrent_appends_share_fsyncs_and_keep_the_loop_free(tmp_path, tr_make_trace):
+def test_concurrent_appends_share_fsyncs_and_keep_the_loop_free(tmp_path, tr_make_trace, monkeypatch):
+    # What keeps the loop free is structural: the Arrow conversion, the WAL write and every fsync
+    # run on the log's threads, never on the loop's. The threads doing them are recorded and checked;
+    # the loop's tick lag is checked at its median (a blocking append would delay most ticks; one
+    # stall of the whole process on a shared CI machine delays one, and is not the writer's doing).
+    from rollout.traces.log import PartitionedLog
+
+    workers: set[int] = set()  # threads that did the work while the clients ran (not at open or close)
+    running = threading.Event()
+    real_fsync, real_to_batch = os.fsync, PartitionedLog._to_batch
+
+    def fsync(fd):
+        if running.is_set():
+            workers.add(threading.get_ident())
+        return real_fsync(fd)
+
+    def to_batch(self, rows):
+        if running.is_set():
+            workers.add(threading.get_ident())
+        return real_to_batch(self, rows)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(PartitionedLog, "_to_batch", to_batch)
     n_clients, per_client = 64, 20
     with TraceWriter(TraceConfig(root=tmp_path, max_rows_per_file=300)) as writer:
 
         async def main():
-            lag = 0.0
+            lags = []
             done = asyncio.Event()
 
             async def ticker():
-                nonlocal lag
                 while not done.is_set():
                     t = time.perf_counter()
                     await asyncio.sleep(0.001)
-                    lag = max(lag, time.perf_counter() - t - 0.001)
+                    lags.append(time.perf_counter() - t - 0.001)
 
             async def client(c):
                 for k in range(per_client):
                     await writer.append(tr_make_trace(c * 1000 + k, weight_version=c % 4))
 
             tick = asyncio.create_task(ticker())
+            running.set()
             await asyncio.gather(*(client(c) for c in range(n_clients)))
+            running.clear()
             done.set()
             await tick
-            return lag
+            return threading.get_ident(), lags
 
-        lag = asyncio.run(main())
+        loop_thread, lags = asyncio.run(main())
         stats = writer.stats()
     total = n_clients * per_client
     assert stats.traces_written_total == total
     assert stats.wal_fsyncs_total < total / 4  # group commit
-    assert lag < 0.5, f"event loop blocked for {lag:.3f}s"
+    assert workers and loop_thread not in workers, "the loop's thread converted, wrote or fsynced"
+    assert statistics.median(lags) < 0.05, f"median tick lag {statistics.median(lags):.3f}s (max {max(lags):.3f}s)"
     ids = read_traces(tmp_path, columns=["trace_id"])["trace_id"].to_pylist()
     assert len(ids) == len(set(ids)) == total
 
