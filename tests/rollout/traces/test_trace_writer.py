@@ -191,12 +191,19 @@ def test_parts_roll_by_age_without_flush(tmp_path, tr_make_trace):
         writer.append_sync(tr_make_trace(4))
 
 
-def test_interval_mode_returns_at_once_and_syncs_within_the_interval(tmp_path, tr_make_trace):
+def test_interval_mode_returns_at_once_and_syncs_within_the_interval(tmp_path, tr_make_trace, monkeypatch):
+    # "At once" without a clock: every fsync is held until the appends have returned; an append
+    # that waited for its fsync would still be waiting when the appends' thread is joined.
+    release = threading.Event()
+    real_fsync = os.fsync
     with TraceWriter(TraceConfig(root=tmp_path, durability="interval", flush_interval_s=0.2)) as writer:
-        t = time.perf_counter()
-        for i in range(100):
-            writer.append_sync(tr_make_trace(i))
-        assert time.perf_counter() - t < 0.5
+        monkeypatch.setattr(os, "fsync", lambda fd: (release.wait(30), real_fsync(fd))[1])
+        appends = threading.Thread(target=lambda: [writer.append_sync(tr_make_trace(i)) for i in range(100)])
+        appends.start()
+        appends.join(timeout=10)
+        returned = not appends.is_alive()
+        release.set()
+        assert returned, "interval-mode appends waited for an fsync"
         deadline = time.monotonic() + 3
         while writer.stats().traces_written_total < 100 and time.monotonic() < deadline:
             time.sleep(0.02)
