@@ -1,5 +1,6 @@
-"""A GRPO group's prompt computed once per step: the same log-probs and gradients as one padded
-forward of every row, on a QAT-prepared tiny Qwen2; minibatches hold pieces of groups; a prepared
+"""A GRPO group's prompt (and the system prompt that ungrouped singletons share) computed once per
+step: the same log-probs and gradients as one padded forward of every row, on a QAT-prepared tiny
+Qwen2; minibatches hold pieces of groups; a prepared
 layer fake-quantizes its weight once per step inside `fake_quant_once`."""
 
 from __future__ import annotations
@@ -46,6 +47,18 @@ def _episodes() -> Episodes:
                     group_ids=["a"] * 4 + ["b"] * 2 + ["c"], counts={})
 
 
+def _traffic() -> Episodes:
+    """Ungrouped traffic: five singletons (each its own group) after one 12-token system prompt and
+    tools, then a prompt and completion of their own; sampled tokens from position 14."""
+    g = torch.Generator().manual_seed(2)
+    system = torch.randint(3, VOCAB, (12,), generator=g)
+    ids = [torch.cat([system, torch.randint(3, VOCAB, (n,), generator=g)]) for n in (9, 30, 4, 17, 22)]
+    masks = [torch.cat([torch.zeros(13), torch.ones(x.numel() - 14)]) for x in ids]
+    return Episodes(input_ids=ids, loss_mask=masks, behaviour_logprobs=[torch.zeros_like(m) for m in masks],
+                    advantages=[torch.randn(m.shape, generator=g) * m for m in masks], rewards=torch.zeros(len(ids)),
+                    group_ids=[f"s{i}" for i in range(len(ids))], counts={})
+
+
 def _logprobs_and_grads(model, mb):
     model.zero_grad(set_to_none=True)
     with fake_quant_once(model):
@@ -65,11 +78,17 @@ def test_runs_cover_the_rows_with_each_groups_common_prefix():
     # rows of different groups sharing nothing are one run: one batched forward, not one per row
     assert ep.minibatch([6, 0, 4, 1, 2], share_prefix=8).runs == ((0, 3, 0), (3, 5, 20))
     assert ep.minibatch([6, 3, 4], share_prefix=8).runs == ((0, 3, 0),)
+    # singletons of different groups: one run sharing the system prompt they all begin with
+    tr = _traffic()
+    assert tr.minibatch([3, 0, 4, 1, 2], share_prefix=8).runs == ((0, 5, 12),)
+    assert tr.minibatch([3, 0, 4, 1, 2], share_prefix=13).runs == ((0, 5, 0),)
+    assert ep.minibatch([6, 0, 4, 1, 2], share_prefix=8).runs[0] == (0, 3, 0)  # random rows share nothing
 
 
-@pytest.mark.parametrize("rows", [[3, 0, 2, 1, 5, 4, 6], [6, 3, 4, 2, 0, 1]])
-def test_shared_prefix_forward_equals_the_padded_forward(rows):
-    model, ep = _model(), _episodes()
+@pytest.mark.parametrize("data,rows", [("groups", [3, 0, 2, 1, 5, 4, 6]), ("groups", [6, 3, 4, 2, 0, 1]),
+                                       ("traffic", [3, 0, 4, 1, 2])])
+def test_shared_prefix_forward_equals_the_padded_forward(data, rows):
+    model, ep = _model(), (_episodes() if data == "groups" else _traffic())
     want_lp, want_grads = _logprobs_and_grads(model, ep.minibatch(rows))
     mb = ep.minibatch(rows, share_prefix=8)
     assert any(p for _, _, p in mb.runs)  # rows1: a run of three groups' single rows, then a's prompt

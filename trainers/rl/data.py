@@ -115,26 +115,33 @@ class Episodes:
 
     def prefix_runs(self, rows: list[int], min_prefix: int) -> tuple[tuple[int, int, int], ...]:
         """(start, end, prefix) over `rows`: maximal stretches of one group, each with the length
-        of its rows' common prefix (kept one token short of the shortest row, so every row has a
-        token of its own), or 0 where that is under `min_prefix` tokens or the stretch is one row.
-        Neighbouring stretches with prefix 0 are one run (one batched forward): ungrouped traffic,
-        all singletons, is then one forward per step, not one per row (bench/train_step.py on a
-        traffic dataset: 4.0 -> 3.0 s a step, a padded forward 2.9 s)."""
+        of its rows' common prefix, or 0 where that is under `min_prefix` tokens or the stretch is
+        one row. Neighbouring stretches with prefix 0 are one run (one batched forward), which
+        shares what all its rows begin with where that is `min_prefix` tokens or more: ungrouped
+        traffic, all singletons, is one forward per step whose system prompt and tools are computed
+        once (bench/train_step.py on a traffic dataset). A prefix is kept one token short of the
+        run's shortest row, so every row has a token of its own."""
         runs, start = [], 0
         for j in range(1, len(rows) + 1):
             if j < len(rows) and self.group_ids[rows[j]] == self.group_ids[rows[start]]:
                 continue
-            seqs = [self.input_ids[i] for i in rows[start:j]]
-            shortest = min(int(x.numel()) for x in seqs)
-            same = torch.stack([x[:shortest] for x in seqs]).eq(seqs[0][:shortest]).all(dim=0)
-            prefix = min(int(same.int().cumprod(0).sum()), shortest - 1)
-            prefix = prefix if j - start > 1 and prefix >= min_prefix else 0
+            prefix = self._common_prefix(rows[start:j]) if j - start > 1 else 0
+            prefix = prefix if prefix >= min_prefix else 0
             if prefix == 0 and runs and runs[-1][2] == 0:
                 runs[-1] = (runs[-1][0], j, 0)
             else:
                 runs.append((start, j, prefix))
             start = j
+        for k, (s, e, p) in enumerate(runs):
+            if p == 0 and e - s > 1 and (shared := self._common_prefix(rows[s:e])) >= min_prefix:
+                runs[k] = (s, e, shared)  # a run of several groups: what all their rows begin with
         return tuple(runs)
+
+    def _common_prefix(self, rows: list[int]) -> int:
+        seqs = [self.input_ids[i] for i in rows]
+        shortest = min(int(x.numel()) for x in seqs)
+        same = torch.stack([x[:shortest] for x in seqs]).eq(seqs[0][:shortest]).all(dim=0)
+        return min(int(same.int().cumprod(0).sum()), shortest - 1)
 
 
 def check_dataset(path: str | Path) -> RLDatasetManifest:
