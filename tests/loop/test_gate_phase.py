@@ -144,7 +144,6 @@ def test_ope_reads_the_runs_earlier_heldout_episodes_newest_first(tiny_cfg, gate
     assert [len(s.ids) for s in capped] == [n, 1]
 
 
-
 def test_the_best_versions_floor_is_taken_relative_to_serving(tmp_path):
     """The floor against the best promoted version: its recorded success (its own gate's problems,
     selected for reading high) less serving's recorded one, added by the engine to serving's success
