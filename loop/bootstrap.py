@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rollout.artifacts import MANIFEST, file_sha256
+from rollout.artifacts import MANIFEST, building, file_sha256
 from trainers.bootstrap.model import ModelConfig
 from trainers.bootstrap.sft import SFTConfig
 
@@ -129,9 +129,15 @@ def bootstrap(cfg: BootstrapConfig, task: TaskConfig, log=lambda step, metrics: 
                                  sha256_files(folder), {}, time.time())
     key = cache_key(cfg, task)
     folder = Path(cfg.cache_dir).resolve() / f"base-{key}"
-    if (folder / MANIFEST).is_file():
-        return BaseModelManifest.load(folder)
+    if not (folder / MANIFEST).is_file():
+        with building(folder):  # another loop, server or test session may be building the same key
+            if not (folder / MANIFEST).is_file():
+                _build(cfg, task, key, folder, log)
+    return BaseModelManifest.load(folder)
 
+
+def _build(cfg: BootstrapConfig, task: TaskConfig, key: str, folder: Path, log) -> None:
+    """Train the tokenizer, build the model and SFT it on the task's demonstrations into `folder`."""
     import torch
 
     from rollout.chat import encode_demo
@@ -171,14 +177,12 @@ def bootstrap(cfg: BootstrapConfig, task: TaskConfig, log=lambda step, metrics: 
             created_at=time.time(), sft_history=result.history,
         )
         manifest.save(tmp)
-        if folder.exists():  # lost a race with another bootstrap of the same key: keep theirs
-            shutil.rmtree(tmp)
-        else:
-            tmp.rename(folder)
+        if folder.exists():  # a build that died before its manifest: ours replaces it
+            shutil.rmtree(folder)
+        tmp.rename(folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return BaseModelManifest.load(folder)
 
 
 def evaluate_with_vllm(manifest: BaseModelManifest, task: TaskConfig, engine_cfg, llm=None) -> dict:

@@ -102,15 +102,18 @@ def check_w4a16_groups(model: str, group_size: int | None, caps: Capabilities) -
 
 def quantized_for_serving(model: str, fmt: str, group_size: int | None, dtype: str, cache_dir: str) -> str:
     from pipelines.quantize import MANIFEST_NAME, quantize_checkpoint
-    from rollout.artifacts import folder_sha256
+    from rollout.artifacts import building, folder_sha256
 
     spec = serving_spec(fmt, group_size, "float16" if dtype == "float16" else "bfloat16")
     tag = f"{fmt}-{'channel' if group_size is None else f'g{group_size}'}-{spec.scale_dtype}" if fmt == "w4a16" else fmt
     dst = Path(cache_dir) / f"served-{tag}-{folder_sha256(model)[:16]}"  # tokenizer files count too
-    if not (dst / MANIFEST_NAME).is_file():
-        log.info("quantizing %s as %s for serving -> %s", model, fmt, dst)
-        # the parent by its absolute path: a loop started elsewhere (another cwd) trains from it
-        quantize_checkpoint(model, dst, spec, parent=str(Path(model).resolve()), overwrite=dst.exists())
+    if (dst / MANIFEST_NAME).is_file():
+        return str(dst)
+    with building(dst):  # another loop or server on this cache may be quantizing the same model
+        if not (dst / MANIFEST_NAME).is_file():
+            log.info("quantizing %s as %s for serving -> %s", model, fmt, dst)
+            # the parent by its absolute path: a loop started elsewhere (another cwd) trains from it
+            quantize_checkpoint(model, dst, spec, parent=str(Path(model).resolve()), overwrite=dst.exists())
     return str(dst)
 
 

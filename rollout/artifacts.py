@@ -10,11 +10,28 @@ folders) and imports nothing of ours: the one module of rollout/ that trainers/ 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 MANIFEST = "flywheel_manifest.json"
+
+
+@contextmanager
+def building(folder: str | Path):
+    """Held while one process builds a cached `folder` (a base model, a served quantization): a
+    second process that wants the same folder waits here, then finds it built (check for the
+    manifest again inside), instead of building it too and renaming over a folder in use."""
+    lock = Path(folder).with_name(f".{Path(folder).name}.lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def file_sha256(path: str | Path) -> str:

@@ -4,6 +4,7 @@ Quantizing for serving runs for real (tiny model); no engine starts here."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,31 @@ def test_w4a16_groups_the_int8_path_cannot_load_are_a_config_error(tiny_base, tm
     served = resolve(_cfg(tmp_path, "serve.w4a16_group_size=null"), tiny_base.path, amx)  # 64 and 128 wide
     weights = json.loads((Path(served.path) / "config.json").read_text())["quantization_config"]["config_groups"]
     assert served.fmt == "w4a16" and {g["weights"]["strategy"] for g in weights.values()} == {"channel"}
+
+
+def test_two_processes_wanting_one_served_quantization_build_it_once(tiny_base, tmp_path, monkeypatch):
+    """`loop serve &` then `loop run` (the README's way) quantize the same base at the same moment:
+    the second waits for the first's folder instead of renaming over it while it is being served."""
+    import threading
+
+    import pipelines.quantize
+    from loop.serving import quantized_for_serving
+    from rollout.artifacts import manifest_files
+
+    real, builds = pipelines.quantize.quantize_checkpoint, []
+
+    def slow_quantize(*args, **kwargs):
+        builds.append(threading.get_ident())
+        time.sleep(0.5)  # both threads have checked the cache by now
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipelines.quantize, "quantize_checkpoint", slow_quantize)
+    got: list[str] = []
+    threads = [threading.Thread(target=lambda: got.append(
+        quantized_for_serving(tiny_base.path, "w4a16", 32, "bfloat16", str(tmp_path)))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(got) == 2 and got[0] == got[1] and len(builds) == 1, (got, builds)
+    assert manifest_files(got[0])  # a whole folder, with its manifest

@@ -6,6 +6,11 @@ reruns on resume) trains to the end."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from test_rl_ray import RUN, SPEC
@@ -67,3 +72,17 @@ def test_workers_spread_over_two_nodes_and_a_lost_node_fails_the_phase_by_name(c
     again = run_training(TrainJob(tiny_base.path, rl_dataset.path, str(out), spread, SPEC),
                          RayConfig(address=cluster.address))
     assert again.metrics["steps"] == 20 and len(set(again.nodes)) == 2
+
+
+def test_without_an_address_a_loop_starts_its_own_runtime_beside_a_running_cluster(cluster):
+    """`ray.address: null` with a cluster up on the host (its address in /tmp/ray, where Ray's
+    default for no address finds it and joins): another process starts a runtime of its own."""
+    code = ("import ray; from trainers.rl.launch import RayConfig, ensure_ray, shutdown_ray; "
+            "ensure_ray(RayConfig(num_cpus=1)); print(ray.get_runtime_context().gcs_address, len(ray.nodes())); "
+            "shutdown_ray()")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-3000:]
+    address, nodes = out.stdout.split()[-2:]
+    assert address != cluster.address and nodes == "1", (address, cluster.address, nodes)

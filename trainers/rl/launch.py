@@ -50,15 +50,18 @@ def ensure_ray(cfg: RayConfig) -> float:
         if not cfg.dashboard:  # Ray Train's placement-group cleaner asks the state API (served by the
             # dashboard) every second and warns each time it cannot: keep Ray's own loggers to errors
             kwargs["logging_config"] = ray.LoggingConfig(log_level="ERROR")
-    ray.init(address=cfg.address, **kwargs)
-    if cfg.address is None and "RAY_ADDRESS" not in os.environ:
+    # "local": a runtime of its own even where another is up (a `ray start` cluster, another
+    # `loop run`'s): Ray's default for no address would join the newest one it finds
+    ray.init(address=cfg.address or "local", **kwargs)
+    if cfg.address is None:
         # Ray's own clients in this process (Ray Train's placement-group cleaner asks the state API)
-        # look for "the" local runtime and fail when another `loop run` on the host has one too
-        os.environ["RAY_ADDRESS"] = _OURS["address"] = ray.get_runtime_context().gcs_address
+        # look for "the" runtime: point them at ours while it is up, whatever RAY_ADDRESS said before
+        _OURS.update(address=ray.get_runtime_context().gcs_address, before=os.environ.get("RAY_ADDRESS"))
+        os.environ["RAY_ADDRESS"] = _OURS["address"]
     return time.perf_counter() - t0
 
 
-_OURS: dict[str, str] = {}  # the RAY_ADDRESS this process set for the runtime it started
+_OURS: dict[str, str | None] = {}  # the RAY_ADDRESS this process set for the runtime it started, and before
 
 
 def shutdown_ray() -> None:
@@ -68,7 +71,12 @@ def shutdown_ray() -> None:
     if "ray" in sys.modules and sys.modules["ray"].is_initialized():
         sys.modules["ray"].shutdown()
     if _OURS and os.environ.get("RAY_ADDRESS") == _OURS.pop("address"):
-        del os.environ["RAY_ADDRESS"]  # the next local runtime is a new one
+        before = _OURS.pop("before")  # the next local runtime is a new one
+        if before is None:
+            del os.environ["RAY_ADDRESS"]
+        else:
+            os.environ["RAY_ADDRESS"] = before
+    _OURS.clear()
 
 
 def run_training(job: TrainJob, ray_cfg: RayConfig, report: Callable[[int, dict], None] = lambda s, m: None
