@@ -136,7 +136,8 @@ def test_w4a16_groups_the_int8_path_cannot_load_are_a_config_error(tiny_base, tm
 
 def test_two_processes_wanting_one_served_quantization_build_it_once(tiny_base, tmp_path, monkeypatch):
     """`loop serve &` then `loop run` (the README's way) quantize the same base at the same moment:
-    the second waits for the first's folder instead of renaming over it while it is being served."""
+    the second waits for the first's folder instead of renaming over it while it is being served.
+    (Two threads here: each opens the lock file itself, and flock excludes one open from another.)"""
     import threading
 
     import pipelines.quantize
