@@ -70,12 +70,11 @@ def shutdown_ray() -> None:
 
     if "ray" in sys.modules and sys.modules["ray"].is_initialized():
         sys.modules["ray"].shutdown()
-    if _OURS and os.environ.get("RAY_ADDRESS") == _OURS.pop("address"):
-        before = _OURS.pop("before")  # the next local runtime is a new one
-        if before is None:
+    if _OURS and os.environ.get("RAY_ADDRESS") == _OURS["address"]:  # the next local runtime is a new one
+        if _OURS["before"] is None:
             del os.environ["RAY_ADDRESS"]
         else:
-            os.environ["RAY_ADDRESS"] = before
+            os.environ["RAY_ADDRESS"] = _OURS["before"]
     _OURS.clear()
 
 
